@@ -1,0 +1,54 @@
+"""Array interchange: CuPy arrays pass through; anything with __cuda_array_interface__ or DLPack
+is viewed without a copy; NumPy arrays are copied to the device and results copied back.
+Results come back as the kind of array the caller gave."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import numpy as np
+
+from .errors import DeviceError, ValidationError
+
+
+def cupy():
+    import cupy as _cupy
+    return _cupy
+
+
+def to_device(x, name: str):
+    """(cupy array, how to return a result to the caller's kind)."""
+    cp = cupy()
+    if isinstance(x, cp.ndarray):
+        return x, _identity
+    if isinstance(x, np.ndarray):
+        return cp.asarray(x), _to_numpy
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x), _back_to(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cp.from_dlpack(x), _back_to(x)
+        except Exception as exc:  # a CPU tensor, an unsupported dtype ...
+            raise DeviceError(f"{name}: cannot view {type(x).__name__} on the GPU through DLPack ({exc})",
+                              arg=name) from exc
+    raise ValidationError(f"{name}: expected a CuPy/NumPy array or a DLPack / CUDA-array-interface "
+                          f"object, got {type(x).__name__}", arg=name)
+
+
+def _identity(y):
+    return y
+
+
+def _to_numpy(y):
+    return y.get()
+
+
+def _back_to(x) -> Callable:
+    module = importlib.import_module(type(x).__module__.split(".")[0])
+    from_dlpack = getattr(module, "from_dlpack", None)
+    return from_dlpack if from_dlpack is not None else _identity
+
+
+def alignment(ptr: int) -> int:
+    """The largest power of two up to 16 dividing ``ptr``."""
+    return 16 if ptr % 16 == 0 else (ptr & -ptr)

@@ -1,0 +1,169 @@
+"""The nvdnn command line: `nvdnn warm`, `nvdnn cache info|list|verify|clear`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import warm as warming
+from .cache import KernelCache
+from .errors import NvdnnError
+
+EXAMPLES = {
+    "warm": """examples:
+  nvdnn warm --arch sm_90 --preset pointwise          pre-warm for an H100/H200, no GPU needed
+  nvdnn warm --arch sm_80,sm_90 --preset pointwise -j 8
+  NVDNN_RECORD=specs.jsonl python train.py            record what a program compiles...
+  nvdnn warm --spec-file specs.jsonl --arch sm_90     ...and build exactly that elsewhere
+  nvdnn warm --preset pointwise --dry-run             list what would be compiled""",
+    "cache": """examples:
+  nvdnn cache info --json
+  nvdnn cache list --family pointwise --arch sm_90
+  nvdnn cache verify --repair
+  NVDNN_CACHE_DIR=/tmp/k nvdnn cache clear""",
+}
+
+
+class _Progress:
+    """A bar with counts and ETA on a terminal; one plain line per kernel otherwise."""
+
+    def __init__(self, stream):
+        self.stream, self.tty, self.started = stream, stream.isatty(), time.perf_counter()
+
+    def __call__(self, done: int, total: int, label: str):
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / done * (total - done)
+        if self.tty:
+            filled = int(30 * done / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} "
+                              f"{elapsed:5.1f}s ETA {eta:5.1f}s")
+            if done == total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[{done}/{total}] {label}\n")
+        self.stream.flush()
+
+
+def _cmd_warm(args) -> int:
+    archs = warming.parse_archs(args.arch)
+    jobs = [(spec, arch) for spec in warming.preset_specs(args.preset or []) for arch in archs]
+    for path in args.spec_file or []:
+        for spec, arch in warming.read_spec_file(path):
+            jobs.extend([(spec, arch)] if arch and not args.arch_given else [(spec, a) for a in archs])
+    if not jobs:
+        print("nothing to warm: give --preset or --spec-file", file=sys.stderr)
+        return 2
+    cache = KernelCache()
+    if args.dry_run:
+        rows = [{"uri": s.uri, "arch": a, "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            for row in rows:
+                print(f"{'cached ' if row['cached'] else 'compile'} {row['arch']:7} {row['uri']}")
+        return 0
+    progress = None if args.json else _Progress(sys.stderr)
+    report = warming.warm(jobs, cache, workers=args.jobs, progress=progress)
+    summary = report.as_dict() | {"folder": str(cache.folder), "archs": archs}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"warmed {cache.folder} for {', '.join(archs)}: compiled {summary['compiled']}, "
+              f"already cached {summary['cached']}, failed {summary['failed']} in {summary['seconds']:.2f}s")
+        for failure in report.failed:
+            print(f"  FAILED {failure[0]}\n    " + failure[1].replace("\n", "\n    "))
+    return 1 if report.failed else 0
+
+
+def _cmd_cache(args) -> int:
+    cache = KernelCache()
+    if args.action == "info":
+        info = cache.info()
+        if args.json:
+            print(json.dumps(info, indent=1))
+        else:
+            print(f"folder   {info['folder']}\nentries  {info['entries']} ({info['bad']} bad)\n"
+                  f"size     {info['bytes'] / 1e6:.2f} MB\nNVRTC    {info['nvrtc']}")
+        return 0
+    if args.action == "clear":
+        removed = cache.clear()
+        print(json.dumps({"removed": removed}) if args.json else f"removed {removed} files from {cache.folder}")
+        return 0
+    rows, bad = [], []
+    for path, entry, problem in cache.entries():
+        if entry is None:
+            bad.append({"file": path.name, "problem": problem})
+            continue
+        fields = entry.meta.get("spec", {}).get("fields", {})
+        row = {"key": entry.key[:16], "uri": entry.uri, "arch": entry.arch,
+               "family": entry.meta.get("family", ""), "registers": entry.meta.get("registers"),
+               "spill_bytes": entry.meta.get("spill_bytes"), "bytes": len(entry.cubin)}
+        dts = set(fields.get("inputs", ())) | {fields.get("output")}
+        if ((args.family and row["family"] != args.family) or (args.arch and entry.arch != args.arch)
+                or (args.dtype and args.dtype not in dts)):
+            continue
+        rows.append(row)
+    if args.action == "verify":
+        if args.repair:
+            for item in bad:
+                (cache.kernels / item["file"]).unlink(missing_ok=True)
+        result = {"good": len(rows), "bad": bad, "repaired": bool(args.repair)}
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            print(f"{len(rows)} good, {len(bad)} bad" + (" (removed)" if args.repair and bad else ""))
+            for item in bad:
+                print(f"  {item['file']}: {item['problem']}")
+        return 1 if bad and not args.repair else 0
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            print(f"{row['key']} {row['arch']:7} regs={row['registers']:<3} {row['uri']}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="nvdnn", description="nvdnn: NVRTC-compiled deep-learning kernels")
+    sub = top.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("warm", help="compile kernels into the cache ahead of time (no GPU needed)",
+                       epilog=EXAMPLES["warm"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    w.add_argument("--arch", default=None, help="comma-separated archs, e.g. sm_80,sm_90,sm_90a "
+                   "(default: the current GPU's)")
+    w.add_argument("--preset", action="append", choices=sorted(warming.PRESETS), help="a named preset (repeatable)")
+    w.add_argument("--spec-file", action="append", help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file")
+    w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
+    w.add_argument("--dry-run", action="store_true", help="list what would be compiled, compile nothing")
+    w.add_argument("--json", action="store_true", help="machine-readable summary")
+    w.set_defaults(run=_cmd_warm)
+    c = sub.add_parser("cache", help="inspect or clear the kernel cache", epilog=EXAMPLES["cache"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("action", choices=("info", "list", "verify", "clear"))
+    c.add_argument("--family"), c.add_argument("--arch"), c.add_argument("--dtype")
+    c.add_argument("--repair", action="store_true", help="with verify: remove bad entries")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=_cmd_cache)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "warm":
+        args.arch_given = args.arch is not None
+        if args.arch is None:
+            from . import compiler
+            try:
+                args.arch = compiler.device_arch()
+            except NvdnnError as exc:
+                print(f"nvdnn: {exc}", file=sys.stderr)
+                return 2
+    try:
+        return args.run(args)
+    except NvdnnError as exc:
+        print(f"nvdnn: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

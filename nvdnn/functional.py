@@ -1,0 +1,264 @@
+"""NumPy-style entry points on CuPy arrays (and DLPack / NumPy arrays).
+
+A call is planned once per signature (op chain, dtypes, shapes, strides,
+alignments, device); a repeated call costs one dict lookup, an output
+allocation and the launch.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import arrays, compiler, dtypes, runtime
+from .cache import default_cache
+from .errors import DeviceError, DTypeError, ValidationError
+from .kernels import pointwise
+
+__all__ = [
+    "elementwise", "bias_act", "cast", "scale",
+    "identity", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "relu", "gelu", "silu", "swish",
+    "sigmoid", "tanh", "elu", "softplus",
+    "add", "sub", "mul", "div", "maximum", "minimum", "power",
+]
+
+
+class _Prepared(NamedTuple):
+    function: object
+    grid: tuple
+    block: tuple
+    int_args: tuple
+    shape: tuple
+    dtype: np.dtype
+
+
+_PREPARED: dict[tuple, _Prepared] = {}
+_COMMUTATIVE = {"add", "mul", "max", "min"}
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _signature(x):
+    return (x.dtype, x.shape, x.strides, x.data.ptr % 16, x.data.device_id)
+
+
+def _result_dtype(tensors) -> str:
+    kinds = {dtypes.of_array(t, arg="x").name for t in tensors}
+    return kinds.pop() if len(kinds) == 1 else "float32"
+
+
+def _prepare(steps, xs, names, out, out_dtype, device, n_params) -> _Prepared:
+    for name, x in zip(names, xs):
+        if x.data.device_id != device:
+            raise DeviceError(f"{name}: array is on device {x.data.device_id}, but the current device "
+                              f"is {device}; move it or switch with `with cupy.cuda.Device({x.data.device_id})`",
+                              arg=name)
+    operands = []
+    for name, x in zip(names, xs):
+        dt = dtypes.of_array(x, arg=name).name
+        operands.append(pointwise.Operand(dt, x.shape, tuple(s // x.itemsize for s in x.strides),
+                                          arrays.alignment(x.data.ptr)))
+    shape = pointwise.broadcast_shape([x.shape for x in xs], names)
+    out_align = 16
+    if out is not None:
+        if out.data.device_id != device:
+            raise DeviceError(f"out: array is on device {out.data.device_id}, not the current device "
+                              f"{device}", arg="out")
+        if out.shape != shape:
+            raise ValidationError(f"out: shape {out.shape} should be {shape}, the broadcast shape of "
+                                  "the inputs", arg="out")
+        if dtypes.of_array(out, arg="out").name != out_dtype:
+            raise DTypeError(f"out: data type {out.dtype} should be {out_dtype}", arg="out")
+        if not out.flags.c_contiguous:
+            raise ValidationError("out: must be C-contiguous", arg="out")
+        out_align = arrays.alignment(out.data.ptr)
+    launch = pointwise.plan(steps, operands, out_dtype, names=names, out_align=out_align)
+    if launch.spec.n_params != n_params:
+        raise ValidationError(f"params: the chain takes {launch.spec.n_params} scalars, got {n_params}",
+                              arg="params")
+    binary = default_cache().get(launch.spec, compiler.device_arch(device))
+    index = np.int64 if launch.spec.index == "int64" else np.int32
+    return _Prepared(runtime.function(binary, device), launch.grid, launch.block,
+                     tuple(index(v) for v in launch.int_args), shape, dtypes.BY_NAME[out_dtype].np)
+
+
+def elementwise(steps, *inputs, params=(), out=None, dtype=None, stream=None):
+    """Run a fused chain in one kernel: ``elementwise([("add", "x1"), ("gelu", "")], x, b)``.
+
+    ``steps`` are ``(op, rhs)`` pairs: a unary op with ``""``, a binary op with the tensor
+    input it takes (``"x1"``, ``"x2"``, ...) or ``"p"`` for a scalar; ``params`` are the floats
+    of the scalar slots and activation parameters, in chain order (see
+    ``nvdnn.kernels.pointwise.OPS``). Returns the kind of array given.
+    """
+    return _run(steps, inputs, [f"x{i}" for i in range(len(inputs))], params, out, dtype, stream)
+
+
+def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
+    cp = arrays.cupy()
+    xs, back = [], None
+    for name, x in zip(names, inputs):
+        if type(x) is not cp.ndarray:
+            x, ret = arrays.to_device(x, name)
+            back = back or ret
+        xs.append(x)
+    out_dev = None
+    if out is not None:
+        out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
+    device = cp.cuda.runtime.getDevice()
+    if dtype is None:
+        out_dtype = dtypes.of_array(out_dev, arg="out").name if out_dev is not None else _result_dtype(xs)
+    else:
+        out_dtype = dtypes.dtype(dtype).name
+    if type(steps) is not tuple:
+        steps = tuple(tuple(step) for step in steps)
+    key = (steps, out_dtype, device, len(params), None if out_dev is None else _signature(out_dev),
+           *[_signature(x) for x in xs])
+    prep = _PREPARED.get(key)
+    if prep is None:
+        prep = _PREPARED[key] = _prepare(steps, xs, names, out_dev, out_dtype, device, len(params))
+    y = out_dev if out_dev is not None else cp.empty(prep.shape, prep.dtype)
+    if y.size:
+        prep.function(prep.grid, prep.block, (y, *xs, *prep.int_args, *map(np.float32, params)),
+                      stream=stream)
+    if out is not None and out_dev is not out:
+        if isinstance(out, np.ndarray):
+            out[...] = y.get()
+        return out
+    return back(y) if back is not None else y
+
+
+# -- the public ops ---------------------------------------------------------------------------------
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, np.ndarray)
+
+
+def _unary(op: str, summary: str):
+    steps = ((op, ""),)
+
+    def fn(x, *, out=None, dtype=None):
+        return _run(steps, (x,), ("x",), (), out, dtype)
+
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = f"{summary}, elementwise, computed in float32. ``dtype`` casts the result."
+    return fn
+
+
+identity = _unary("identity", "x (a copy; with ``dtype`` a cast)")
+neg = _unary("neg", "-x")
+abs = _unary("abs", "|x|")  # noqa: A001 - NumPy's name
+exp = _unary("exp", "e**x")
+log = _unary("log", "natural log of x")
+sqrt = _unary("sqrt", "square root of x")
+rsqrt = _unary("rsqrt", "1 / sqrt(x)")
+sigmoid = _unary("sigmoid", "1 / (1 + e**-x)")
+silu = _unary("silu", "x * sigmoid(x)")
+swish = silu
+tanh = _unary("tanh", "tanh(x)")
+
+
+def cast(x, dtype, *, out=None):
+    """x converted to ``dtype`` (float32, float16 or bfloat16)."""
+    return _run((("identity", ""),), (x,), ("x",), (), out, dtype)
+
+
+def relu(x, negative_slope=0.0, clip=None, *, out=None, dtype=None):
+    """max(x, 0), or x * negative_slope below 0 (leaky); ``clip`` caps the result (ReLU6: 6)."""
+    return _run((("relu", ""),), (x,), ("x",), (negative_slope, math.inf if clip is None else clip),
+                out, dtype)
+
+
+_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def gelu(x, approximate="none", *, out=None, dtype=None):
+    """x * Phi(x) (``approximate="none"``, erf) or its tanh approximation (``"tanh"``)."""
+    op = _GELU.get(approximate)
+    if op is None:
+        raise ValidationError(f"approximate: {approximate!r} is not 'none' or 'tanh'", arg="approximate")
+    return _run(((op, ""),), (x,), ("x",), (), out, dtype)
+
+
+def elu(x, alpha=1.0, *, out=None, dtype=None):
+    """x above 0, alpha * (e**x - 1) below."""
+    return _run((("elu", ""),), (x,), ("x",), (alpha,), out, dtype)
+
+
+def softplus(x, beta=1.0, threshold=20.0, *, out=None, dtype=None):
+    """log(1 + e**(beta x)) / beta, and x itself where beta x > threshold (as PyTorch)."""
+    return _run((("softplus", ""),), (x,), ("x",), (beta, threshold), out, dtype)
+
+
+def scale(x, alpha, *, out=None, dtype=None):
+    """alpha * x."""
+    return _run((("mul", "p"),), (x,), ("x",), (alpha,), out, dtype)
+
+
+def _binary(op: str, name: str, summary: str):
+    with_tensor, with_scalar = ((op, "x1"),), ((op, "p"),)
+
+    def fn(a, b, *, out=None, dtype=None):
+        if _is_scalar(b):
+            return _run(with_scalar, (a,), ("a",), (b,), out, dtype)
+        if _is_scalar(a):
+            if op not in _COMMUTATIVE:
+                raise ValidationError(f"a: {name} takes a scalar only as its second operand", arg="a")
+            return _run(with_scalar, (b,), ("b",), (a,), out, dtype)
+        return _run(with_tensor, (a, b), ("a", "b"), (), out, dtype)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = (f"{summary}, elementwise with NumPy broadcasting; either operand may be a "
+                  "scalar (the first only where the op commutes).")
+    return fn
+
+
+add = _binary("add", "add", "a + b")
+sub = _binary("sub", "sub", "a - b")
+mul = _binary("mul", "mul", "a * b")
+div = _binary("div", "div", "a / b")
+maximum = _binary("max", "maximum", "max(a, b), NaN if either is NaN")
+minimum = _binary("min", "minimum", "min(a, b), NaN if either is NaN")
+power = _binary("pow", "power", "a ** b")
+
+ACTIVATIONS = {"identity": "identity", "relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_tanh",
+               "silu": "silu", "swish": "silu", "sigmoid": "sigmoid", "tanh": "tanh", "elu": "elu",
+               "softplus": "softplus"}
+LAYOUTS = {"NCHW": 1, "NHWC": -1}
+
+
+def bias_act(x, bias, activation=None, *, layout="NCHW", out=None, dtype=None, stream=None, **params):
+    """activation(x + bias), the bias broadcast along the channel axis, in one kernel.
+
+    ``layout`` says where the channels are in ``x.shape``: axis 1 for ``"NCHW"`` (any rank),
+    the last axis for ``"NHWC"``. Activation parameters go as keywords
+    (``bias_act(x, b, "relu", layout="NHWC", negative_slope=0.1)``).
+    """
+    op = ACTIVATIONS.get("identity" if activation is None else activation)
+    if op is None:
+        raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
+                              arg="activation")
+    axis = LAYOUTS.get(layout)
+    if axis is None:
+        raise ValidationError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}", arg="layout")
+    if getattr(x, "ndim", 0) < 2:
+        raise ValidationError(f"x: needs a channel axis, got shape {getattr(x, 'shape', None)}", arg="x")
+    channels = x.shape[axis]
+    if getattr(bias, "ndim", None) != 1 or bias.shape[0] != channels:
+        raise ValidationError(f"bias: shape {getattr(bias, 'shape', None)} should be ({channels},), the "
+                              f"channel dim {axis % x.ndim} of x {tuple(x.shape)} in {layout}", arg="bias")
+    spec = pointwise.OPS[op]
+    unknown = set(params) - {p for p, _ in spec.params}
+    if unknown:
+        raise ValidationError(f"{sorted(unknown)[0]}: {op} takes {[p for p, _ in spec.params] or 'no parameters'}",
+                              arg=sorted(unknown)[0])
+    values = tuple(params.get(p, default) for p, default in spec.params)
+    if op == "relu" and values[1] is None:
+        values = (values[0], math.inf)
+    steps = _BIAS_STEPS[op]
+    if axis == 1 and x.ndim > 2:
+        bias = bias.reshape((channels,) + (1,) * (x.ndim - 2))
+    return _run(steps, (x, bias), ("x", "bias"), values, out, dtype, stream)
+
+
+_BIAS_STEPS = {op: (("add", "x1"),) + (((op, ""),) if op != "identity" else ())
+               for op in set(ACTIVATIONS.values())}

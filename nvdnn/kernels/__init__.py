@@ -1,0 +1,1 @@
+"""Kernel families: each module turns a request into KernelSpecs, launch geometry and presets."""

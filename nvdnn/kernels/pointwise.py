@@ -1,0 +1,334 @@
+"""Fused pointwise chains: y = op_k(... op_1(x0, ...) ...) in one pass over memory.
+
+A chain is a tuple of steps ``(op, rhs)``: unary ops have ``rhs == ""``; binary
+ops take the next tensor input (``"x1"``, ``"x2"``, ...) or a scalar (``"p"``).
+Scalars and activation parameters are kernel arguments, so changing them never
+recompiles. Shapes are coalesced into the fewest dims before planning: the
+spec keeps only the dim count, per-operand broadcast masks and access classes;
+sizes and strides are kernel arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .. import dtypes
+from ..errors import DTypeError, ValidationError
+from ..spec import KernelSpec, one_of
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    arity: int
+    params: tuple[tuple[str, float], ...] = ()   # unary op parameters and defaults
+
+
+OPS = {op.name: op for op in (
+    OpDef("identity", 1), OpDef("neg", 1), OpDef("abs", 1), OpDef("exp", 1), OpDef("log", 1),
+    OpDef("sqrt", 1), OpDef("rsqrt", 1),
+    OpDef("relu", 1, (("negative_slope", 0.0), ("clip", math.inf))),
+    OpDef("gelu", 1), OpDef("gelu_tanh", 1), OpDef("silu", 1), OpDef("sigmoid", 1), OpDef("tanh", 1),
+    OpDef("elu", 1, (("alpha", 1.0),)),
+    OpDef("softplus", 1, (("beta", 1.0), ("threshold", 20.0))),
+    OpDef("add", 2), OpDef("sub", 2), OpDef("mul", 2), OpDef("div", 2),
+    OpDef("max", 2), OpDef("min", 2), OpDef("pow", 2),
+)}
+UNARY = tuple(name for name, op in OPS.items() if op.arity == 1)
+BINARY = tuple(name for name, op in OPS.items() if op.arity == 2)
+
+DTYPES = ("float32", "float16", "bfloat16")
+ACCESS = ("lin", "vec", "bc", "gat")
+MAX_DIMS = 8
+BLOCKS = (64, 128, 256, 512, 1024)
+UNROLLS = (1, 2, 4, 8)
+VECS = (1, 2, 4, 8, 16)
+_RHS = re.compile(r"(?:|p|x([1-9][0-9]?))\Z")
+_INT32_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True)
+class PointwiseSpec(KernelSpec):
+    family = "pointwise"
+    template = "pointwise/elementwise.cu.j2"
+
+    steps: tuple[tuple[str, str], ...]
+    inputs: tuple[str, ...]      # data type of each tensor input
+    access: tuple[str, ...]      # access class of each input (see the template)
+    zero: tuple[str, ...]        # per input: "1" where its stride is 0, one char per dim
+    output: str
+    ndim: int                    # coalesced dims used for strided access (0: all linear)
+    vec: int
+    index: str                   # "int32" | "int64"
+    block: int = 256
+    unroll: int = 4
+
+    def validate(self) -> None:
+        if not self.steps:
+            raise ValidationError("steps: a chain needs at least one op", arg="steps")
+        for dt in (*self.inputs, self.output):
+            one_of(dt, DTYPES, "dtype")
+        if not 1 <= len(self.inputs) <= 8:
+            raise ValidationError("inputs: a chain takes 1 to 8 tensors", arg="inputs")
+        used = set()
+        for step in self.steps:
+            if not (isinstance(step, tuple) and len(step) == 2):
+                raise ValidationError(f"steps: {step!r} is not an (op, rhs) pair", arg="steps")
+            op, rhs = step
+            one_of(op, OPS, "steps.op")
+            match = _RHS.match(rhs) if isinstance(rhs, str) else None
+            if match is None or (OPS[op].arity == 1) != (rhs == ""):
+                raise ValidationError(f"steps: {op} takes rhs {'nothing' if OPS[op].arity == 1 else 'x<k> or p'}"
+                                      f", got {rhs!r}", arg="steps")
+            if match.group(1):
+                used.add(int(match.group(1)))
+        if used != set(range(1, len(self.inputs))):
+            raise ValidationError(f"steps: the chain must use each of inputs x1..x{len(self.inputs) - 1} "
+                                  f"(uses {sorted(used)})", arg="steps")
+        if len(self.access) != len(self.inputs) or len(self.zero) != len(self.inputs):
+            raise ValidationError("access/zero: one entry per input", arg="access")
+        if not isinstance(self.ndim, int) or not 0 <= self.ndim <= MAX_DIMS:
+            raise ValidationError(f"ndim: {self.ndim!r} outside 0..{MAX_DIMS}", arg="ndim")
+        for access, zero in zip(self.access, self.zero):
+            one_of(access, ACCESS, "access")
+            if access == "lin":
+                if zero != "":
+                    raise ValidationError("zero: a linear input has no broadcast mask", arg="zero")
+                continue
+            if not (isinstance(zero, str) and len(zero) == self.ndim and set(zero) <= {"0", "1"}
+                    and self.ndim):
+                raise ValidationError(f"zero: {zero!r} is not a 0/1 mask of {self.ndim} dims", arg="zero")
+            if (access == "bc") != (zero[-1] == "1"):
+                raise ValidationError(f"access: {access} does not fit mask {zero}", arg="access")
+        one_of(self.vec, VECS, "vec")
+        one_of(self.index, ("int32", "int64"), "index")
+        one_of(self.block, BLOCKS, "block")
+        one_of(self.unroll, UNROLLS, "unroll")
+        widths = [dtypes.BY_NAME[self.output].itemsize] + [
+            dtypes.BY_NAME[d].itemsize for d, a in zip(self.inputs, self.access) if a in ("lin", "vec")]
+        if self.vec * max(widths) > 16:
+            raise ValidationError(f"vec: {self.vec} elements of {max(widths)} bytes exceed 16 bytes", arg="vec")
+
+    @property
+    def n_params(self) -> int:
+        return sum(len(OPS[op].params) if OPS[op].arity == 1 else int(rhs == "p") for op, rhs in self.steps)
+
+    @property
+    def uri(self) -> str:
+        chain = ".".join(op + (f"({rhs})" if rhs else "") for op, rhs in self.steps)
+        ins = ",".join(f"{dtypes.BY_NAME[d].short}:{a}" + (f"[{z}]" if z else "")
+                       for d, a, z in zip(self.inputs, self.access, self.zero))
+        return (f"pointwise/{chain}/in={ins}/out={dtypes.BY_NAME[self.output].short}"
+                f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}")
+
+    def stride_args(self) -> list[tuple[int, int]]:
+        """(input, dim) of every stride the kernel takes, in argument order."""
+        out = []
+        for i, (access, zero) in enumerate(zip(self.access, self.zero)):
+            if access == "lin":
+                continue
+            for d in range(self.ndim):
+                if zero[d] == "0" and not (access == "vec" and d == self.ndim - 1):
+                    out.append((i, d))
+        return out
+
+    def render_context(self) -> dict:
+        index_t = "int" if self.index == "int32" else "long long"
+        ctypes = [dtypes.BY_NAME[d].ctype for d in self.inputs]
+        strides = self.stride_args()
+        inputs = []
+        for i, (access, zero) in enumerate(zip(self.access, self.zero)):
+            terms = [f"c{d} * s{i}_{d}" for (j, d) in strides if j == i]
+            if access == "vec":
+                terms.append(f"c{self.ndim - 1}")
+            inputs.append({"i": i, "ctype": ctypes[i], "access": access,
+                           "offset": " + ".join(terms) or "0",
+                           "last_stride": f"s{i}_{self.ndim - 1}" if access == "gat" else ""})
+        slot = iter(range(self.n_params))
+        steps = []
+        for op, rhs in self.steps:
+            if OPS[op].arity == 1:
+                args = [f"p{next(slot)}" for _ in OPS[op].params]
+            else:
+                args = [f"p{next(slot)}" if rhs == "p" else "a" + rhs[1:]]
+            steps.append({"op": op, "args": args})
+        params = [f"float p{k}" for k in range(self.n_params)]
+        value = {"lin": "in{i}[u].v[j]", "vec": "in{i}[u].v[j]", "bc": "in{i}[u].v[j]", "gat": "in{i}[u].v[j]"}
+        tail = {"lin": "x{i}[e]", "vec": "x{i}[off{i}]", "bc": "x{i}[off{i}]", "gat": "x{i}[off{i}]"}
+        return {
+            "index_t": index_t, "out_ctype": dtypes.BY_NAME[self.output].ctype,
+            "vec": self.vec, "block": self.block, "unroll": self.unroll, "ndim": self.ndim,
+            "inputs": inputs, "steps": steps,
+            "chain_params": [f"float a{i}" for i in range(len(self.inputs))] + params,
+            "kernel_params": ["out_t* __restrict__ y"]
+            + [f"const {c}* __restrict__ x{i}" for i, c in enumerate(ctypes)]
+            + ["index_t n"] + [f"index_t size{d}" for d in range(self.ndim)]
+            + [f"index_t s{i}_{d}" for i, d in strides] + params,
+            "vec_args": [f"nvdnn::to_float({value[x['access']].format(i=x['i'])})" for x in inputs]
+            + [f"p{k}" for k in range(self.n_params)],
+            "tail_args": [f"nvdnn::to_float({tail[x['access']].format(i=x['i'])})" for x in inputs]
+            + [f"p{k}" for k in range(self.n_params)],
+        }
+
+
+# -- planning: from concrete tensors to a spec and its launch --------------------------------------
+
+class Operand(NamedTuple):
+    """What the planner needs to know of one input: no array, so it also runs deviceless."""
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]     # in elements
+    align: int = 16              # largest power of two (<= 16) dividing the address
+
+
+class Launch(NamedTuple):
+    spec: PointwiseSpec
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    int_args: tuple[int, ...]    # n, sizes, strides: in kernel order, after the pointers
+    n: int
+
+
+def broadcast_shape(shapes: list[tuple[int, ...]], names: list[str]) -> tuple[int, ...]:
+    ndim = max(len(s) for s in shapes)
+    out = []
+    for axis in range(-ndim, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        if len(sizes) > 1:
+            detail = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
+            raise ValidationError(f"{names[1] if len(names) > 1 else names[0]}: shapes do not broadcast "
+                                  f"at axis {axis + ndim} ({detail}); sizes must match or be 1",
+                                  arg=names[-1])
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _coalesce(shape, stride_sets):
+    """Drop size-1 dims and merge dims every operand walks contiguously; outer dim first."""
+    dims = [(size, [s[axis] for s in stride_sets]) for axis, size in enumerate(shape) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, strides in reversed(dims):
+        if merged and all(st == ms * merged[-1][0] for st, ms in zip(strides, merged[-1][1])):
+            merged[-1] = (merged[-1][0] * size, merged[-1][1])
+        else:
+            merged.append((size, strides))
+    merged.reverse()
+    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
+
+
+def _heuristic(nvec: int) -> tuple[int, int]:
+    """(block, unroll): four 16-byte loads in flight per thread once there is enough work."""
+    return (256, 4) if nvec >= (1 << 20) else (256, 1)
+
+
+def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None = None,
+         out_align: int = 16, block: int | None = None, unroll: int | None = None) -> Launch:
+    """Choose the spec and the launch for a chain over concrete shapes, strides and alignments."""
+    names = names or [f"x{i}" for i in range(len(operands))]
+    for name, op in zip(names, operands):
+        if op.dtype not in DTYPES:
+            raise DTypeError(f"{name}: data type {op.dtype} is not supported by pointwise kernels "
+                             f"(use one of {', '.join(DTYPES)})", arg=name)
+    if output not in DTYPES:
+        raise DTypeError(f"dtype: output data type {output} is not one of {', '.join(DTYPES)}", arg="dtype")
+    shape = broadcast_shape([op.shape for op in operands], names)
+    n = math.prod(shape)
+    expanded = []
+    for op in operands:
+        lead = len(shape) - len(op.shape)
+        expanded.append([0] * lead + [0 if size == 1 else st for size, st in zip(op.shape, op.strides)])
+    contiguous, acc = [], 1
+    for size in reversed(shape):
+        contiguous.insert(0, acc)
+        acc *= size
+    sizes, strides = _coalesce(shape, [contiguous] + expanded)
+    out_strides, in_strides = strides[0], strides[1:]
+    linear = [st == out_strides for st in in_strides]
+    if all(linear):
+        sizes, in_strides = [], [[] for _ in operands]
+    ndim = len(sizes)
+    access, zero = [], []
+    for is_lin, st in zip(linear, in_strides):
+        if is_lin:
+            access.append("lin"), zero.append("")
+            continue
+        mask = "".join("1" if s == 0 else "0" for s in st)
+        access.append("bc" if st[-1] == 0 else "vec" if st[-1] == 1 else "gat")
+        zero.append(mask)
+    itemsize = {d: dtypes.BY_NAME[d].itemsize for d in DTYPES}
+    vectored = [(itemsize[output], out_align)] + [
+        (itemsize[op.dtype], op.align) for op, a in zip(operands, access) if a in ("lin", "vec")]
+    vec = 16 // max(w for w, _ in vectored)
+    while vec > 1 and not (
+            all(align % (vec * w) == 0 for w, align in vectored)
+            and (not ndim or sizes[-1] % vec == 0)
+            and all(all(s % vec == 0 for s in st[:-1]) for st, a in zip(in_strides, access) if a == "vec")):
+        vec //= 2
+    max_offset = max([n] + [sum((sz - 1) * abs(s) for sz, s in zip(sizes, st)) for st in in_strides])
+    base_block, base_unroll = _heuristic(n // vec)
+    block, unroll = block or base_block, unroll or base_unroll
+    index = "int64" if max_offset + block * unroll * vec >= _INT32_LIMIT else "int32"
+    spec = PointwiseSpec(steps=tuple(steps), inputs=tuple(op.dtype for op in operands),
+                         access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
+                         index=index, block=block, unroll=unroll)
+    stride_args = [in_strides[i][d] for i, d in spec.stride_args()]
+    return Launch(spec, grid_for(spec, n), (block, 1, 1), tuple([n] + sizes + stride_args), n)
+
+
+def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:
+    per_block = spec.block * spec.unroll
+    return (max(1, -(-(n // spec.vec) // per_block)), 1, 1)
+
+
+def candidates(spec: PointwiseSpec) -> list[PointwiseSpec]:
+    """Tile variants of one spec, for autotuning: same code shape, other block / unroll."""
+    return [dataclasses.replace(spec, block=b, unroll=u) for b in (128, 256, 512) for u in (1, 2, 4)]
+
+
+# -- presets: what `nvdnn warm --preset pointwise` compiles ---------------------------------------
+
+ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
+
+
+def preset() -> list[PointwiseSpec]:
+    """Every chain the functional API runs on aligned tensors, at small and large sizes."""
+    specs: dict[PointwiseSpec, None] = {}
+
+    def add(steps, operands_for, output):
+        for rows in (64, 1 << 16):  # both tile heuristics: few and many vectors
+            specs.setdefault(plan(steps, operands_for(rows), output).spec)
+
+    for dt in DTYPES:
+        def flat(rows, dt=dt):
+            return [Operand(dt, (rows, 1024), (1024, 1))]
+
+        def pair(rows, dt=dt):
+            return flat(rows) * 2
+
+        for op in UNARY:
+            add([(op, "")], flat, dt)
+        for other in DTYPES:
+            if other != dt:
+                add([("identity", "")], flat, other)
+        for op in BINARY:
+            add([(op, "x1")], pair, dt)
+            add([(op, "p")], flat, dt)
+        add([("add", "x1"), ("relu", "")], pair, dt)
+        add([("mul", "p")], flat, dt)
+
+        def nchw(rows, dt=dt):  # (N, C, H, W) with a bias per channel C
+            return [Operand(dt, (rows // 16, 64, 16, 16), (64 * 256, 256, 16, 1)),
+                    Operand(dt, (64, 1, 1), (1, 1, 1))]
+
+        def nhwc(rows, dt=dt):  # (N*H*W, C) with a bias per channel C
+            return [Operand(dt, (rows * 4, 64), (64, 1)), Operand(dt, (64,), (1,))]
+
+        for act in ACTIVATIONS:
+            chain = [("add", "x1")] + ([(act, "")] if act != "identity" else [])
+            add(chain, nchw, dt)
+            add(chain, nhwc, dt)
+        add([("add", "x1"), ("gelu", ""), ("mul", "p")], nhwc, dt)
+    return list(specs)

@@ -1,0 +1,112 @@
+"""Pre-warm the kernel cache: compile a list of (spec, arch) ahead of time, in parallel,
+on any machine (NVRTC needs no GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import compiler
+from .cache import KernelCache
+from .errors import NvdnnError, ValidationError
+from .kernels import pointwise
+from .spec import KernelSpec
+
+PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
+    "pointwise": pointwise.preset,
+}
+
+
+@dataclass
+class WarmReport:
+    compiled: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"compiled": len(self.compiled), "cached": len(self.cached), "failed": len(self.failed),
+                "failures": [{"kernel": k, "error": e} for k, e in self.failed],
+                "seconds": round(self.seconds, 3)}
+
+
+def preset_specs(names: Iterable[str]) -> list[KernelSpec]:
+    specs = []
+    for name in names:
+        if name not in PRESETS:
+            raise ValidationError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}",
+                                  arg="preset")
+        specs.extend(PRESETS[name]())
+    return specs
+
+
+def read_spec_file(path: str | os.PathLike) -> list[tuple[KernelSpec, str | None]]:
+    """Specs from a JSON-lines recording (NVDNN_RECORD) or a JSON list; each with its arch if given."""
+    text = Path(path).read_text()
+    stripped = text.lstrip()
+    rows = json.loads(text) if stripped.startswith("[") else [
+        json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for number, row in enumerate(rows, 1):
+        try:
+            spec = KernelSpec.from_dict(row["spec"] if "spec" in row else row)
+        except (NvdnnError, KeyError, TypeError) as exc:
+            raise ValidationError(f"{path}: entry {number}: {exc}", arg="spec_file") from exc
+        out.append((spec, row.get("arch")))
+    return out
+
+
+def _compile_one(folder: str, spec_json: str, arch: str) -> tuple[str, str]:
+    """Worker: compile one kernel into the cache folder; ('ok' | error text, uri)."""
+    spec = KernelSpec.from_dict(json.loads(spec_json))
+    try:
+        KernelCache(folder).get(spec, arch)
+        return "", spec.uri
+    except NvdnnError as exc:
+        return str(exc), spec.uri
+
+
+def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int = 0,
+         progress: Callable[[int, int, str], None] | None = None) -> WarmReport:
+    """Compile every (spec, arch) not already cached, with ``workers`` processes."""
+    started = time.perf_counter()
+    report = WarmReport()
+    todo = []
+    for spec, arch in dict.fromkeys(jobs):
+        label = f"{spec.uri} [{arch}]"
+        (report.cached.append(label) if cache.contains(spec, arch) else todo.append((spec, arch)))
+    workers = workers or os.cpu_count() or 1
+    done = 0
+
+    def finish(error: str, label: str):
+        nonlocal done
+        done += 1
+        (report.failed.append((label, error)) if error else report.compiled.append(label))
+        if progress:
+            progress(done, len(todo), label)
+
+    if workers == 1 or len(todo) <= 1:
+        for spec, arch in todo:
+            error, _ = _compile_one(str(cache.folder), json.dumps(spec.to_dict()), arch)
+            finish(error, f"{spec.uri} [{arch}]")
+    else:
+        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("fork")) as pool:
+            futures = {pool.submit(_compile_one, str(cache.folder), json.dumps(spec.to_dict()), arch):
+                       f"{spec.uri} [{arch}]" for spec, arch in todo}
+            for future in as_completed(futures):
+                try:
+                    error, _ = future.result()
+                except Exception as exc:  # a worker died: report, keep going
+                    error = f"worker failed: {exc}"
+                finish(error, futures[future])
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def parse_archs(text: str) -> list[str]:
+    return [compiler.parse_arch(a.strip()) for a in text.split(",") if a.strip()]
