@@ -129,6 +129,10 @@ class KernelCache:
         return self._read(key) is not None
 
     def _load_or_compile(self, spec: KernelSpec, arch: str) -> KernelBinary:
+        found = self._read_indexed(spec, arch)
+        if found is not None:
+            self.stats["disk_hits"] += 1
+            return found
         source = codegen.render(spec)
         options = compiler.options_for(compiler.parse_arch(arch))
         key = cache_key(source, options, arch)
@@ -136,6 +140,7 @@ class KernelCache:
         found = self._read(key)
         if found is not None:
             self.stats["disk_hits"] += 1
+            self._write_index(spec, arch, key)
             return found
         if config.get("NVDNN_NO_COMPILE"):
             raise CacheMissError(f"NVDNN_NO_COMPILE is set and {spec.uri} for {arch} is not in the "
@@ -154,6 +159,7 @@ class KernelCache:
             "stack_bytes": result.stack_bytes,
             "compile_ms": round((time.perf_counter() - started) * 1e3, 2), "created": time.time()})
         self._write(binary)
+        self._write_index(spec, arch, key)
         log.info("compiled %s for %s in %.1f ms", spec.uri, arch, binary.meta["compile_ms"])
         return binary
 
@@ -181,23 +187,46 @@ class KernelCache:
     def _write(self, binary: KernelBinary) -> None:
         if not self._writable:
             return
-        tmp = None
         try:
-            self.kernels.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.kernels, prefix=".tmp-", suffix=SUFFIX)
-            with os.fdopen(fd, "wb") as out:
-                out.write(encode_entry(binary))
-            os.replace(tmp, self.path_of(binary.key))
+            _atomic_write(self.path_of(binary.key), encode_entry(binary))
         except OSError as exc:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             self._writable = False
             warnings.warn(f"nvdnn: kernel cache folder {self.kernels} is not writable ({exc}); "
                           "keeping compiled kernels in memory only (set NVDNN_CACHE_DIR)",
                           NvdnnWarning, stacklevel=4)
+
+    # -- spec -> key index: a disk hit without rendering or loading NVRTC ----------------------------
+    # A new process would otherwise import the NVRTC bindings (~80 ms) and compile a Jinja
+    # template (~10 ms) just to compute a key. The index maps (spec, arch, code stamp, toolchain)
+    # to the key; the toolchain record is trusted only while its files are unchanged, and an
+    # indexed entry is used only if its own header names this very spec and arch.
+    def _index_path(self, spec: KernelSpec, arch: str, toolchain: dict) -> Path:
+        material = json.dumps([SCHEMA, spec.to_dict(), arch, codegen.code_stamp(type(spec)),
+                               toolchain["nvrtc"], toolchain["headers"]], sort_keys=True)
+        return self.folder / "index" / hashlib.sha256(material.encode()).hexdigest()
+
+    def _read_indexed(self, spec: KernelSpec, arch: str) -> KernelBinary | None:
+        try:
+            toolchain = compiler.remembered_toolchain(json.loads((self.folder / "toolchain.json").read_text()))
+            if toolchain is None:
+                return None
+            key = self._index_path(spec, arch, toolchain).read_text().strip()
+        except (OSError, ValueError, AttributeError):
+            return None
+        found = self._read(key) if len(key) == 64 else None
+        if found is None or found.meta.get("spec") != json.loads(json.dumps(spec.to_dict())) or found.arch != arch:
+            return None
+        return found
+
+    def _write_index(self, spec: KernelSpec, arch: str, key: str) -> None:
+        if not self._writable:
+            return
+        toolchain = compiler.toolchain()
+        try:
+            _atomic_write(self.folder / "toolchain.json", json.dumps(toolchain, sort_keys=True).encode())
+            _atomic_write(self._index_path(spec, arch, toolchain), key.encode())
+        except OSError:
+            pass  # the index is an accelerator only
 
     def entries(self) -> Iterator[tuple[Path, KernelBinary | None, str]]:
         """Every file of the store as (path, entry or None, problem)."""
@@ -226,8 +255,28 @@ class KernelCache:
         for path, _, _ in list(self.entries()):
             path.unlink(missing_ok=True)
             removed += 1
+        index = self.folder / "index"
+        for path in (index.iterdir() if index.is_dir() else ()):
+            path.unlink(missing_ok=True)
+        (self.folder / "toolchain.json").unlink(missing_ok=True)
         self._by_spec.clear()
         return removed
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder and os.replace: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _dump_source(source: str, spec: KernelSpec, key: str, fallback: bool = False) -> str | None:

@@ -7,7 +7,9 @@ headers) and its text alone is what the cache key hashes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import sys
 from pathlib import Path
 
 import jinja2
@@ -39,3 +41,16 @@ def render(spec: KernelSpec) -> str:
     header = f"// nvdnn kernel {spec.uri}\n"
     return header + environment().get_template(spec.template).render(
         entry=spec.entry, **spec.render_context())
+
+
+@functools.lru_cache(maxsize=None)
+def code_stamp(spec_type: type) -> str:
+    """A digest of everything that shapes a family's rendered source besides the spec: the
+    templates and the Python that renders them. Keys the cache's spec -> key index."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in templates_dir().rglob("*") if p.suffix in (".j2", ".cuh"))
+    files += [Path(__file__), Path(sys.modules[KernelSpec.__module__].__file__),
+              Path(sys.modules[spec_type.__module__].__file__)]
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

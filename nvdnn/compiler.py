@@ -118,6 +118,42 @@ def headers_version() -> str:
     return match.group(1) if match else "unknown"
 
 
+def _loaded_nvrtc_path() -> str | None:
+    """The libnvrtc file this process loaded (Linux), so a later process can recognize it."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libnvrtc." in line and "builtins" not in line:
+                    return line.split(None, 5)[-1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _stat(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+        return [st.st_size, st.st_mtime_ns]
+    except OSError:
+        return None
+
+
+def toolchain() -> dict:
+    """NVRTC and header versions, with the files they came from (loads NVRTC)."""
+    version = nvrtc_version()
+    files = {p: _stat(p) for p in (_loaded_nvrtc_path(), os.path.join(include_dir(), "cuda_runtime_api.h")) if p}
+    return {"nvrtc": version, "headers": headers_version(), "files": files}
+
+
+def remembered_toolchain(record: dict | None) -> dict | None:
+    """``record`` (from an earlier ``toolchain()``) if its files are unchanged, without loading NVRTC."""
+    if not record or len(record.get("files", {})) != 2:
+        return None
+    if any(_stat(path) != stat for path, stat in record["files"].items()):
+        return None
+    return record
+
+
 def options_for(arch: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Normalized options (no machine paths): what the cache key covers."""
     return (f"-arch={arch}",) + BASE_OPTIONS + tuple(extra)

@@ -5,9 +5,9 @@ declared data type; ``DType.host`` is the ml_dtypes type used on the host.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError
@@ -19,9 +19,15 @@ class DType:
     short: str         # used in kernel names
     ctype: str         # C type in generated source
     itemsize: int
-    host: type         # NumPy / ml_dtypes scalar type
-    storage: type      # what a CuPy array of this type holds
+    host_name: str     # NumPy / ml_dtypes type, "module.attr": imported on first use
+    storage_name: str  # what a CuPy array of this type holds (fp8: uint8)
+    numpy_name: str    # np.dtype(host).name, to recognize arrays without importing ml_dtypes
     is_float: bool
+
+    @property
+    def host(self) -> type:
+        module, attr = self.host_name.rsplit(".", 1)
+        return getattr(importlib.import_module(module), attr)
 
     @property
     def np(self) -> np.dtype:
@@ -32,13 +38,14 @@ class DType:
 
 
 _TABLE = (
-    DType("float32", "f32", "float", 4, np.float32, np.float32, True),
-    DType("float16", "f16", "__half", 2, np.float16, np.float16, True),
-    DType("bfloat16", "bf16", "__nv_bfloat16", 2, ml_dtypes.bfloat16, ml_dtypes.bfloat16, True),
-    DType("float8_e4m3", "e4m3", "__nv_fp8_e4m3", 1, ml_dtypes.float8_e4m3fn, np.uint8, True),
-    DType("float8_e5m2", "e5m2", "__nv_fp8_e5m2", 1, ml_dtypes.float8_e5m2, np.uint8, True),
-    DType("int32", "i32", "int", 4, np.int32, np.int32, False),
-    DType("int64", "i64", "long long", 8, np.int64, np.int64, False),
+    DType("float32", "f32", "float", 4, "numpy.float32", "numpy.float32", "float32", True),
+    DType("float16", "f16", "__half", 2, "numpy.float16", "numpy.float16", "float16", True),
+    DType("bfloat16", "bf16", "__nv_bfloat16", 2, "ml_dtypes.bfloat16", "ml_dtypes.bfloat16", "bfloat16", True),
+    DType("float8_e4m3", "e4m3", "__nv_fp8_e4m3", 1, "ml_dtypes.float8_e4m3fn", "numpy.uint8",
+          "float8_e4m3fn", True),
+    DType("float8_e5m2", "e5m2", "__nv_fp8_e5m2", 1, "ml_dtypes.float8_e5m2", "numpy.uint8", "float8_e5m2", True),
+    DType("int32", "i32", "int", 4, "numpy.int32", "numpy.int32", "int32", False),
+    DType("int64", "i64", "long long", 8, "numpy.int64", "numpy.int64", "int64", False),
 )
 
 BY_NAME = {d.name: d for d in _TABLE}
@@ -48,7 +55,7 @@ _ALIASES = {
     "e4m3": BY_NAME["float8_e4m3"], "e5m2": BY_NAME["float8_e5m2"],
     "fp8_e4m3": BY_NAME["float8_e4m3"], "fp8_e5m2": BY_NAME["float8_e5m2"],
 }
-_BY_NUMPY = {np.dtype(d.host): d for d in _TABLE}
+_BY_NUMPY = {d.numpy_name: d for d in _TABLE}
 
 float32, float16, bfloat16 = BY_NAME["float32"], BY_NAME["float16"], BY_NAME["bfloat16"]
 float8_e4m3, float8_e5m2 = BY_NAME["float8_e4m3"], BY_NAME["float8_e5m2"]
@@ -65,7 +72,7 @@ def dtype(value, *, arg: str = "dtype") -> DType:
             return found
     else:
         try:
-            found = _BY_NUMPY.get(np.dtype(value))
+            found = _BY_NUMPY.get(np.dtype(value).name)
         except TypeError:
             found = None
         if found is not None:
@@ -76,4 +83,5 @@ def dtype(value, *, arg: str = "dtype") -> DType:
 
 def of_array(array, *, arg: str) -> DType:
     """The DType of an array's elements (uint8 is not fp8: declare fp8 explicitly)."""
-    return dtype(array.dtype, arg=arg)
+    found = _BY_NUMPY.get(array.dtype.name)
+    return found if found is not None else dtype(array.dtype, arg=arg)

@@ -1,0 +1,173 @@
+"""Pointwise kernels, nvdnn vs PyTorch in one process on the same inputs.
+
+    python benchmarks/bench_pointwise.py [--json FILE]
+
+Effective bandwidth counts each input read once and the output written once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+
+import nvdnn  # noqa: E402
+
+RESNET = [  # conv outputs of DESIGN.md's ResNet-50 layers, N = 32: (C, H, W)
+    ("conv1 7x7/2 ->64@112", 64, 112, 112), ("3x3 64@56", 64, 56, 56), ("1x1 ->256@56", 256, 56, 56),
+    ("3x3 128@28", 128, 28, 28), ("3x3 256@14", 256, 14, 14)]
+
+
+def _inputs(shape, dtype, bias_len, count):
+    import cupy
+    host = nvdnn.dtypes.BY_NAME[dtype].np
+    xs = [cupy.asarray(np.random.default_rng(i).standard_normal(shape, dtype=np.float32).astype(host))
+          for i in range(count)]
+    b = cupy.asarray(np.random.default_rng(99).standard_normal(bias_len, dtype=np.float32).astype(host))
+    return xs, b
+
+
+def bench_case(name, shape, dtype, activation, layout, torch):
+    """Time nvdnn and torch on one workload; check they agree."""
+    import cupy
+    itemsize = nvdnn.dtypes.BY_NAME[dtype].itemsize
+    nbytes = int(np.prod(shape)) * itemsize
+    channels = None if layout is None else (shape[1] if layout == "NCHW" else shape[-1])
+    count = sets_for(2 * nbytes)
+    xs, b = _inputs(shape, dtype, channels or 1, count)
+    ys = [cupy.empty_like(x) for x in xs]
+    if layout is None:
+        run = {"gelu": nvdnn.gelu}[activation]
+        ours = lambda i: run(xs[i], out=ys[i])  # noqa: E731
+        moved = 2 * nbytes
+    else:
+        ours = lambda i: nvdnn.bias_act(xs[i], b, activation, layout=layout, out=ys[i])  # noqa: E731
+        moved = 2 * nbytes + channels * itemsize
+    t_ours = time_ms(ours, count)
+    row = {"workload": name, "dtype": dtype, "nvdnn_us": f"{t_ours * 1e3:.1f}",
+           "nvdnn_TB/s": f"{moved / (t_ours * 1e-3) / 1e12:.2f}",
+           "of_ceiling": f"{moved / (t_ours * 1e-3) / 1e12 / COPY_CEILING_TBS:.0%}"}
+    if torch is not None:
+        F = torch.nn.functional
+        tx = [torch.from_dlpack(x) for x in xs]
+        tb = torch.from_dlpack(b)
+        if layout == "NCHW":
+            tb = tb.view(channels, *([1] * (len(shape) - 2)))
+        act = {"gelu": F.gelu, "relu": F.relu}[activation]
+        theirs = (lambda i: act(tx[i])) if layout is None else (lambda i: act(tx[i] + tb))
+        t_theirs = time_ms(theirs, count)
+        got = torch.from_dlpack(ys[0]).float()
+        want = theirs(0).float()
+        err = float((got - want).abs().max())
+        row.update({"torch_us": f"{t_theirs * 1e3:.1f}", "torch_TB/s": f"{moved / (t_theirs * 1e-3) / 1e12:.2f}",
+                    "speedup": f"{t_theirs / t_ours:.2f}x", "max_diff": f"{err:.2g}"})
+    del xs, ys
+    cupy.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def host_overhead(torch):
+    """Host time per call when the GPU is not the bottleneck (tiny tensor, no sync)."""
+    import cupy
+    x = cupy.asarray(np.random.default_rng(0).standard_normal(1024).astype(np.float32))
+    y = cupy.empty_like(x)
+    calls = 20000
+
+    def per_call(fn):
+        for _ in range(200):
+            fn()
+        cupy.cuda.Device().synchronize()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - started
+        cupy.cuda.Device().synchronize()
+        return elapsed / calls * 1e6
+
+    raw = cupy.RawKernel(r'''extern "C" __global__ void k(float* y, const float* x, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = x[i] > 0 ? x[i] : 0; }''', "k")
+    n32 = np.int32(x.size)
+    rows = {"nvdnn.gelu(x, out=y)": per_call(lambda: nvdnn.gelu(x, out=y)),
+            "nvdnn.gelu(x)": per_call(lambda: nvdnn.gelu(x)),
+            "nvdnn.bias_act(x2d, b, relu, NHWC)": None,
+            "cupy RawKernel launch": per_call(lambda: raw((4,), (256,), (y, x, n32)))}
+    x2 = x.reshape(16, 64)
+    b = x[:64]
+    rows["nvdnn.bias_act(x2d, b, relu, NHWC)"] = per_call(lambda: nvdnn.bias_act(x2, b, "relu", layout="NHWC"))
+    if torch is not None:
+        tx = torch.from_dlpack(x)
+        rows["torch F.gelu(x)"] = per_call(lambda: torch.nn.functional.gelu(tx))
+    spec = nvdnn.kernels.pointwise.plan([("gelu", "")], [nvdnn.kernels.pointwise.Operand("float32", (1024,), (1,))],
+                                        "float32").spec
+    cache = nvdnn.default_cache()
+    arch = nvdnn.compiler.device_arch()
+    cache.get(spec, arch)
+    started = time.perf_counter()
+    for _ in range(calls):
+        cache.get(spec, arch)
+    rows["in-memory cache hit (KernelCache.get)"] = (time.perf_counter() - started) / calls * 1e6
+    return rows, spec, arch
+
+
+DISK_HIT = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import nvdnn
+from nvdnn.spec import KernelSpec
+spec = KernelSpec.from_dict(json.loads(sys.argv[1]))
+t1 = time.perf_counter()
+cache = nvdnn.KernelCache()
+binary = cache.get(spec, sys.argv[2])
+t2 = time.perf_counter()
+assert cache.stats["disk_hits"] == 1 and cache.stats["compiles"] == 0, cache.stats
+print(json.dumps({"import_ms": (t1 - t0) * 1e3, "disk_hit_ms": (t2 - t1) * 1e3}))
+'''
+
+
+def disk_hit(spec, arch):
+    runs = [json.loads(subprocess.run([sys.executable, "-c", DISK_HIT, json.dumps(spec.to_dict()), arch],
+                                      check=True, capture_output=True, text=True).stdout) for _ in range(5)]
+    return sorted(r["disk_hit_ms"] for r in runs)[2], sorted(r["import_ms"] for r in runs)[2]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="write all numbers to this file")
+    args = parser.parse_args(argv)
+    import cupy
+    torch = try_torch()
+    if torch is None:
+        print("PyTorch with CUDA not found: nvdnn columns only")
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    copy = measure_copy_tbs()
+    print(f"device: {props['name'].decode()}  measured copy {copy:.2f} TB/s (reference ceiling "
+          f"{COPY_CEILING_TBS} TB/s)")
+    rows = [bench_case("GELU 16384x4096", (16384, 4096), "bfloat16", "gelu", None, torch),
+            bench_case("bias+GELU 16384x4096", (16384, 4096), "bfloat16", "gelu", "NHWC", torch)]
+    for name, c, h, w in RESNET:
+        rows.append(bench_case(f"bias+ReLU NHWC {name}", (32, h, w, c), "float16", "relu", "NHWC", torch))
+        rows.append(bench_case(f"bias+ReLU NCHW {name}", (32, c, h, w), "float32", "relu", "NCHW", torch))
+    print(table(rows, ["workload", "dtype", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
+                       "speedup", "max_diff"]))
+    overhead, spec, arch = host_overhead(torch)
+    hit_ms, import_ms = disk_hit(spec, arch)
+    overhead["disk hit in a new process (KernelCache.get)"] = hit_ms * 1e3
+    print("\nhost time per call (us):")
+    for k, v in overhead.items():
+        print(f"  {k:48s} {v:8.2f}")
+    print(f"  (import nvdnn in a new process: {import_ms:.0f} ms)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows,
+                       "host_us": overhead}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

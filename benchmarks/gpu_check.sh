@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment facts, the GPU tests, the benchmarks; a short table last.
+#   NVDNN_CACHE_DIR=.gpu-cache bash benchmarks/gpu_check.sh [pytest args...]
+# Logs and JSON go to $OUT (or ./gpu-out); NVDNN_RECORD collects the specs the run needed.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NVDNN_RECORD=${NVDNN_RECORD:-$out/record.jsonl}
+python3 - <<'PY' | tee "$out/env.txt"
+import cupy, nvdnn
+from nvdnn import compiler
+props = cupy.cuda.runtime.getDeviceProperties(0)
+print(f"device {props['name'].decode()} arch {compiler.device_arch()} NVRTC {compiler.nvrtc_version()} "
+      f"headers {compiler.headers_version()} cupy {cupy.__version__} cache {nvdnn.default_cache().folder} "
+      f"entries {nvdnn.default_cache().info()['entries']}")
+PY
+python3 -m pytest -m gpu -q -p no:cacheprovider tests "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+python3 benchmarks/bench_pointwise.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
