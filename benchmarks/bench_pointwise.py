@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -17,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+from compile_times import compile_and_disk_times, memory_hit_us  # noqa: E402
 
 import nvdnn  # noqa: E402
 
@@ -104,37 +104,7 @@ def host_overhead(torch):
     if torch is not None:
         tx = torch.from_dlpack(x)
         rows["torch F.gelu(x)"] = per_call(lambda: torch.nn.functional.gelu(tx))
-    spec = nvdnn.kernels.pointwise.plan([("gelu", "")], [nvdnn.kernels.pointwise.Operand("float32", (1024,), (1,))],
-                                        "float32").spec
-    cache = nvdnn.default_cache()
-    arch = nvdnn.compiler.device_arch()
-    cache.get(spec, arch)
-    started = time.perf_counter()
-    for _ in range(calls):
-        cache.get(spec, arch)
-    rows["in-memory cache hit (KernelCache.get)"] = (time.perf_counter() - started) / calls * 1e6
-    return rows, spec, arch
-
-
-DISK_HIT = r'''
-import json, sys, time
-t0 = time.perf_counter()
-import nvdnn
-from nvdnn.spec import KernelSpec
-spec = KernelSpec.from_dict(json.loads(sys.argv[1]))
-t1 = time.perf_counter()
-cache = nvdnn.KernelCache()
-binary = cache.get(spec, sys.argv[2])
-t2 = time.perf_counter()
-assert cache.stats["disk_hits"] == 1 and cache.stats["compiles"] == 0, cache.stats
-print(json.dumps({"import_ms": (t1 - t0) * 1e3, "disk_hit_ms": (t2 - t1) * 1e3}))
-'''
-
-
-def disk_hit(spec, arch):
-    runs = [json.loads(subprocess.run([sys.executable, "-c", DISK_HIT, json.dumps(spec.to_dict()), arch],
-                                      check=True, capture_output=True, text=True).stdout) for _ in range(5)]
-    return sorted(r["disk_hit_ms"] for r in runs)[2], sorted(r["import_ms"] for r in runs)[2]
+    return rows
 
 
 def main(argv=None):
@@ -156,13 +126,16 @@ def main(argv=None):
         rows.append(bench_case(f"bias+ReLU NCHW {name}", (32, c, h, w), "float32", "relu", "NCHW", torch))
     print(table(rows, ["workload", "dtype", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
                        "speedup", "max_diff"]))
-    overhead, spec, arch = host_overhead(torch)
-    hit_ms, import_ms = disk_hit(spec, arch)
-    overhead["disk hit in a new process (KernelCache.get)"] = hit_ms * 1e3
+    overhead = host_overhead(torch)
+    overhead["in-memory cache hit, KernelCache.get"] = memory_hit_us()
     print("\nhost time per call (us):")
     for k, v in overhead.items():
         print(f"  {k:48s} {v:8.2f}")
-    print(f"  (import nvdnn in a new process: {import_ms:.0f} ms)")
+    compile_rows = compile_and_disk_times(runs=3)
+    print("\ncompile and cache times on this machine's CPU:")
+    for k, v in compile_rows.items():
+        print(f"  {k:48s} {v:8.2f}")
+    overhead.update(compile_rows)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows,

@@ -14,6 +14,6 @@ print(f"device {props['name'].decode()} arch {compiler.device_arch()} NVRTC {com
       f"headers {compiler.headers_version()} cupy {cupy.__version__} cache {nvdnn.default_cache().folder} "
       f"entries {nvdnn.default_cache().info()['entries']}")
 PY
-python3 -m pytest -m gpu -q -p no:cacheprovider tests "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 python3 benchmarks/bench_pointwise.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"

@@ -76,6 +76,8 @@ def decode_entry(data: bytes, expected_key: str | None = None) -> KernelBinary:
     if head_len > _MAX_HEADER or start + head_len > len(body):
         raise ValueError("header length out of range")
     header = json.loads(body[start:start + head_len])
+    if not isinstance(header, dict) or not all(isinstance(header.get(k), str) for k in ("key", "uri", "arch", "entry")):
+        raise ValueError("header is not an object with key, uri, arch and entry")
     cubin = body[start + head_len:]
     if header.get("schema") != SCHEMA:
         raise ValueError(f"schema {header.get('schema')!r}, expected {SCHEMA}")
@@ -116,8 +118,8 @@ class KernelCache:
         with self._lock:
             found = self._by_spec.get((spec, arch))
             if found is None:
-                _record(spec, arch)
                 found = self._load_or_compile(spec, arch)
+                _record(spec, arch)
                 self._by_spec[(spec, arch)] = found
             return found
 
@@ -129,7 +131,7 @@ class KernelCache:
         return self._read(key) is not None
 
     def _load_or_compile(self, spec: KernelSpec, arch: str) -> KernelBinary:
-        found = self._read_indexed(spec, arch)
+        found, tried = self._read_indexed(spec, arch)  # only ever indexed for valid archs
         if found is not None:
             self.stats["disk_hits"] += 1
             return found
@@ -137,7 +139,7 @@ class KernelCache:
         options = compiler.options_for(compiler.parse_arch(arch))
         key = cache_key(source, options, arch)
         dump = _dump_source(source, spec, key)
-        found = self._read(key)
+        found = self._read(key) if key != tried else None
         if found is not None:
             self.stats["disk_hits"] += 1
             self._write_index(spec, arch, key)
@@ -171,7 +173,7 @@ class KernelCache:
         path = self.path_of(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             log.warning("cache entry %s unreadable (%s): recompiling", path, exc)
@@ -201,22 +203,24 @@ class KernelCache:
     # to the key; the toolchain record is trusted only while its files are unchanged, and an
     # indexed entry is used only if its own header names this very spec and arch.
     def _index_path(self, spec: KernelSpec, arch: str, toolchain: dict) -> Path:
-        material = json.dumps([SCHEMA, spec.to_dict(), arch, codegen.code_stamp(type(spec)),
-                               toolchain["nvrtc"], toolchain["headers"]], sort_keys=True)
+        material = json.dumps([SCHEMA, spec.to_dict(), arch, list(compiler.options_for(arch)),
+                               codegen.code_stamp(type(spec)), toolchain["nvrtc"], toolchain["headers"]],
+                              sort_keys=True)
         return self.folder / "index" / hashlib.sha256(material.encode()).hexdigest()
 
-    def _read_indexed(self, spec: KernelSpec, arch: str) -> KernelBinary | None:
+    def _read_indexed(self, spec: KernelSpec, arch: str) -> tuple[KernelBinary | None, str | None]:
+        """(entry, key tried): the entry only if the index, the toolchain and the entry agree."""
         try:
             toolchain = compiler.remembered_toolchain(json.loads((self.folder / "toolchain.json").read_text()))
             if toolchain is None:
-                return None
+                return None, None
             key = self._index_path(spec, arch, toolchain).read_text().strip()
-        except (OSError, ValueError, AttributeError):
-            return None
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None, None
         found = self._read(key) if len(key) == 64 else None
         if found is None or found.meta.get("spec") != json.loads(json.dumps(spec.to_dict())) or found.arch != arch:
-            return None
-        return found
+            return None, key
+        return found, key
 
     def _write_index(self, spec: KernelSpec, arch: str, key: str) -> None:
         if not self._writable:

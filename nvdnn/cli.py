@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from . import compiler
 from . import warm as warming
 from .cache import KernelCache
 from .errors import NvdnnError
@@ -46,14 +47,16 @@ class _Progress:
 
 
 def _cmd_warm(args) -> int:
-    archs = warming.parse_archs(args.arch)
-    jobs = [(spec, arch) for spec in warming.preset_specs(args.preset or []) for arch in archs]
-    for path in args.spec_file or []:
-        for spec, arch in warming.read_spec_file(path):
-            jobs.extend([(spec, arch)] if arch and not args.arch_given else [(spec, a) for a in archs])
-    if not jobs:
+    recorded = [row for path in args.spec_file or [] for row in warming.read_spec_file(path)]
+    if not args.preset and not recorded:
         print("nothing to warm: give --preset or --spec-file", file=sys.stderr)
         return 2
+    needs_arch = args.preset or any(arch is None for _, arch in recorded)
+    archs = warming.parse_archs(args.arch) if args.arch else [compiler.device_arch()] if needs_arch else []
+    jobs = [(spec, arch) for spec in warming.preset_specs(args.preset or []) for arch in archs]
+    for spec, arch in recorded:  # a recording's own arch, unless --arch says otherwise
+        jobs.extend([(spec, a) for a in archs] if args.arch or arch is None else [(spec, compiler.parse_arch(arch))])
+    archs = sorted({arch for _, arch in jobs})
     cache = KernelCache()
     if args.dry_run:
         rows = [{"uri": s.uri, "arch": a, "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
@@ -130,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm", help="compile kernels into the cache ahead of time (no GPU needed)",
                        epilog=EXAMPLES["warm"], formatter_class=argparse.RawDescriptionHelpFormatter)
     w.add_argument("--arch", default=None, help="comma-separated archs, e.g. sm_80,sm_90,sm_90a "
-                   "(default: the current GPU's)")
+                   "(default: a recording's own arch, else the current GPU's)")
     w.add_argument("--preset", action="append", choices=sorted(warming.PRESETS), help="a named preset (repeatable)")
     w.add_argument("--spec-file", action="append", help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
@@ -149,15 +152,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.command == "warm":
-        args.arch_given = args.arch is not None
-        if args.arch is None:
-            from . import compiler
-            try:
-                args.arch = compiler.device_arch()
-            except NvdnnError as exc:
-                print(f"nvdnn: {exc}", file=sys.stderr)
-                return 2
     try:
         return args.run(args)
     except NvdnnError as exc:

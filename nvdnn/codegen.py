@@ -45,12 +45,13 @@ def render(spec: KernelSpec) -> str:
 
 @functools.lru_cache(maxsize=None)
 def code_stamp(spec_type: type) -> str:
-    """A digest of everything that shapes a family's rendered source besides the spec: the
-    templates and the Python that renders them. Keys the cache's spec -> key index."""
+    """A digest of everything that shapes a family's rendered source and options besides the
+    spec: the templates and the Python that renders them. Keys the cache's spec -> key index."""
+    import nvdnn.compiler  # noqa: F401 - make sure every module hashed below is loaded
     digest = hashlib.sha256()
     files = sorted(p for p in templates_dir().rglob("*") if p.suffix in (".j2", ".cuh"))
-    files += [Path(__file__), Path(sys.modules[KernelSpec.__module__].__file__),
-              Path(sys.modules[spec_type.__module__].__file__)]
+    modules = ("nvdnn.codegen", "nvdnn.spec", "nvdnn.compiler", "nvdnn.dtypes", spec_type.__module__)
+    files += [Path(sys.modules[name].__file__) for name in modules]
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

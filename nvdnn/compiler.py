@@ -16,7 +16,9 @@ from pathlib import Path
 from . import config
 from .errors import CompileError, DeviceError, ValidationError
 
-_ARCH = re.compile(r"sm_(\d+)([af]?)\Z")
+_ARCH = re.compile(r"sm_([1-9][0-9]*)([af]?)\Z")
+# Arch-specific ('a') targets exist from sm_90, family ('f') targets from sm_100.
+_SUFFIX_FROM = {"": 0, "a": 90, "f": 100}
 
 # Options that change the machine code, in a fixed order: part of the cache key.
 BASE_OPTIONS = ("-std=c++17", "-default-device", "--minimal", "-Xptxas=-v")
@@ -60,10 +62,11 @@ def parse_arch(arch: str) -> str:
     """Validate an arch name such as ``sm_80``, ``sm_90`` or ``sm_90a``."""
     match = _ARCH.match(arch) if isinstance(arch, str) else None
     if match is None or int(match.group(1)) not in supported_archs() or (
-            match.group(2) and int(match.group(1)) < 90):
+            int(match.group(1)) < _SUFFIX_FROM[match.group(2)]):
         known = ", ".join(f"sm_{a}" for a in supported_archs())
         raise ValidationError(f"arch: {arch!r} is not an arch NVRTC {nvrtc_version()} can build for; "
-                              f"use one of {known} (sm_90a and later take an 'a' suffix)", arg="arch")
+                              f"use one of {known} (sm_90 and later also take an 'a' suffix, "
+                              "sm_100 and later an 'f')", arg="arch")
     return arch
 
 
@@ -142,15 +145,24 @@ def toolchain() -> dict:
     """NVRTC and header versions, with the files they came from (loads NVRTC)."""
     version = nvrtc_version()
     files = {p: _stat(p) for p in (_loaded_nvrtc_path(), os.path.join(include_dir(), "cuda_runtime_api.h")) if p}
-    return {"nvrtc": version, "headers": headers_version(), "files": files}
+    return {"nvrtc": version, "headers": headers_version(), "files": files, "env": _header_env()}
 
 
-def remembered_toolchain(record: dict | None) -> dict | None:
-    """``record`` (from an earlier ``toolchain()``) if its files are unchanged, without loading NVRTC."""
-    if not record or len(record.get("files", {})) != 2:
+def _header_env() -> dict:
+    """The settings that steer which CUDA headers are picked."""
+    return {name: os.environ.get(name, "") for name in ("NVDNN_CUDA_INCLUDE", "CUDA_PATH")}
+
+
+def remembered_toolchain(record) -> dict | None:
+    """``record`` (from an earlier ``toolchain()``) if its files and header settings are unchanged;
+    checked without loading NVRTC. Anything malformed is simply not remembered."""
+    if not (isinstance(record, dict) and isinstance(record.get("nvrtc"), str)
+            and isinstance(record.get("headers"), str) and record.get("env") == _header_env()
+            and isinstance(record.get("files"), dict) and len(record["files"]) == 2):
         return None
-    if any(_stat(path) != stat for path, stat in record["files"].items()):
-        return None
+    for path, stat in record["files"].items():
+        if not isinstance(stat, list) or _stat(path) != stat:
+            return None
     return record
 
 

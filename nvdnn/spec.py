@@ -29,7 +29,8 @@ def identifier(value: str, what: str) -> str:
 
 
 def one_of(value, allowed, what: str):
-    if value not in allowed:
+    """``value`` if it is one of ``allowed`` and of the same type (True is not 1, 8.0 is not 8)."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
         raise ValidationError(f"{what}: {value!r} is not one of {sorted(map(str, allowed))}", arg=what)
     return value
 

@@ -90,7 +90,7 @@ class PointwiseSpec(KernelSpec):
                                   f"(uses {sorted(used)})", arg="steps")
         if len(self.access) != len(self.inputs) or len(self.zero) != len(self.inputs):
             raise ValidationError("access/zero: one entry per input", arg="access")
-        if not isinstance(self.ndim, int) or not 0 <= self.ndim <= MAX_DIMS:
+        if type(self.ndim) is not int or not 0 <= self.ndim <= MAX_DIMS:
             raise ValidationError(f"ndim: {self.ndim!r} outside 0..{MAX_DIMS}", arg="ndim")
         for access, zero in zip(self.access, self.zero):
             one_of(access, ACCESS, "access")
@@ -193,16 +193,21 @@ class Launch(NamedTuple):
 
 
 def broadcast_shape(shapes: list[tuple[int, ...]], names: list[str]) -> tuple[int, ...]:
+    """NumPy broadcasting; a mismatch names the operand that breaks it, the axis and the sizes."""
     ndim = max(len(s) for s in shapes)
     out = []
     for axis in range(-ndim, 0):
-        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
-        if len(sizes) > 1:
-            detail = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes))
-            raise ValidationError(f"{names[1] if len(names) > 1 else names[0]}: shapes do not broadcast "
-                                  f"at axis {axis + ndim} ({detail}); sizes must match or be 1",
-                                  arg=names[-1])
-        out.append(sizes.pop() if sizes else 1)
+        size, owner = 1, None
+        for name, shape in zip(names, shapes):
+            if len(shape) < -axis or shape[axis] == 1:
+                continue
+            if size == 1:
+                size, owner = shape[axis], name
+            elif shape[axis] != size:
+                raise ValidationError(f"{name}: shape {tuple(shape)} does not broadcast with {owner} "
+                                      f"{tuple(shapes[names.index(owner)])}: size {shape[axis]} against "
+                                      f"{size} at axis {axis} (sizes must match or be 1)", arg=name)
+        out.append(size)
     return tuple(out)
 
 

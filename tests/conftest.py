@@ -1,0 +1,77 @@
+"""Shared fixtures for the nvdnn test suite.
+
+Everything here is CPU-only: NVRTC compiles without a GPU. Every test runs with
+NVDNN_CACHE_DIR (and XDG_CACHE_HOME) pointing into pytest's temporary folders,
+so no test can read or write the user's real kernel cache.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nvdnn.kernels import pointwise
+
+# Settings that change what the cache does; a developer's shell may have any of them set.
+_BEHAVIOUR_SETTINGS = ("NVDNN_CACHE_DIR", "NVDNN_NO_COMPILE", "NVDNN_RECORD", "NVDNN_DUMP_SOURCE",
+                       "NVDNN_LOG_LEVEL")
+
+
+# -- isolation from the user's environment ----------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def _session_folders(tmp_path_factory):
+    return tmp_path_factory.mktemp("session-cache"), tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(request, _session_folders):
+    """A throw-away default cache folder and no NVDNN_* behaviour switches, for every CPU test.
+
+    GPU tests (marked ``gpu``) run like a user's program: with the cache the caller configured
+    (benchmarks/gpu_check.sh points NVDNN_CACHE_DIR at a pre-warmed folder). NVDNN_CUDA_INCLUDE
+    is left alone: a developer may need it to find the CUDA headers.
+    """
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    cache, xdg = _session_folders
+    with pytest.MonkeyPatch.context() as mp:
+        for name in _BEHAVIOUR_SETTINGS:
+            mp.delenv(name, raising=False)
+        mp.setenv("NVDNN_CACHE_DIR", str(cache))
+        # Belt and braces: if a test deletes NVDNN_CACHE_DIR, platformdirs lands here too.
+        mp.setenv("XDG_CACHE_HOME", str(xdg))
+        yield
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """An empty per-test cache folder, set as NVDNN_CACHE_DIR (so KernelCache() uses it)."""
+    folder = tmp_path / "nvdnn-cache"
+    monkeypatch.setenv("NVDNN_CACHE_DIR", str(folder))
+    return folder
+
+
+# -- small specs ------------------------------------------------------------------------------------
+
+def make_pointwise_spec(dtype: str = "bfloat16", act: str = "gelu", channels: int = 4096,
+                        rows: int = 64) -> pointwise.PointwiseSpec:
+    """The spec of ``act(x0 + bias)`` with x0 (rows, channels) and a (channels,) bias, planned
+    deviceless through ``pointwise.plan``. Different arguments give different specs."""
+    steps = [("add", "x1")] + ([(act, "")] if act != "identity" else [])
+    operands = [pointwise.Operand(dtype, (rows, channels), (channels, 1)),
+                pointwise.Operand(dtype, (channels,), (1,))]
+    return pointwise.plan(steps, operands, dtype).spec
+
+
+@pytest.fixture(scope="session")
+def make_spec():
+    """Factory fixture: ``make_spec(dtype=..., act=..., channels=..., rows=...)``."""
+    return make_pointwise_spec
+
+
+@pytest.fixture
+def spec() -> pointwise.PointwiseSpec:
+    """A bf16 ``gelu(x0 + bias)`` over (64, 4096) with a (4096,) bias."""
+    return make_pointwise_spec()
