@@ -34,7 +34,6 @@ class _Prepared(NamedTuple):
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
-_COMMUTATIVE = {"add", "mul", "max", "min"}
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -196,19 +195,17 @@ def scale(x, alpha, *, out=None, dtype=None):
 
 def _binary(op: str, name: str, summary: str):
     with_tensor, with_scalar = ((op, "x1"),), ((op, "p"),)
+    scalar_first = ((pointwise.REVERSED[op], "p"),)
 
     def fn(a, b, *, out=None, dtype=None):
         if _is_scalar(b):
             return _run(with_scalar, (a,), ("a",), (b,), out, dtype)
         if _is_scalar(a):
-            if op not in _COMMUTATIVE:
-                raise ValidationError(f"a: {name} takes a scalar only as its second operand", arg="a")
-            return _run(with_scalar, (b,), ("b",), (a,), out, dtype)
+            return _run(scalar_first, (b,), ("b",), (a,), out, dtype)
         return _run(with_tensor, (a, b), ("a", "b"), (), out, dtype)
 
     fn.__name__ = fn.__qualname__ = name
-    fn.__doc__ = (f"{summary}, elementwise with NumPy broadcasting; either operand may be a "
-                  "scalar (the first only where the op commutes).")
+    fn.__doc__ = f"{summary}, elementwise with NumPy broadcasting; either operand may be a scalar."
     return fn
 
 

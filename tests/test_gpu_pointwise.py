@@ -91,8 +91,8 @@ def test_binary_with_python_scalar(dtype):
     check(nvdnn.mul(3.0, x), 3.0 * x64, dtype, "scalar first, commutative")
     check(nvdnn.power(x, 1.5), x64 ** 1.5, dtype, "power scalar")
     check(nvdnn.scale(x, -0.25), -0.25 * x64, dtype, "scale")
-    with pytest.raises(ValidationError, match="a:"):
-        nvdnn.sub(1.0, x)
+    check(nvdnn.sub(1.0, x), 1.0 - x64, dtype, "scalar first, reversed")
+    check(nvdnn.div(2.0, x), 2.0 / x64, dtype, "scalar first, reversed div")
 
 
 LAYOUT_SHAPES = {"NCHW": [(2, 3, 5, 7), (1, 64, 14, 14), (4, 13, 1, 9)],

@@ -36,7 +36,11 @@ OPS = {op.name: op for op in (
     OpDef("softplus", 1, (("beta", 1.0), ("threshold", 20.0))),
     OpDef("add", 2), OpDef("sub", 2), OpDef("mul", 2), OpDef("div", 2),
     OpDef("max", 2), OpDef("min", 2), OpDef("pow", 2),
+    OpDef("rsub", 2), OpDef("rdiv", 2), OpDef("rpow", 2),
 )}
+# op(a, b) == REVERSED[op](b, a): how a chain applies an op whose chain operand is the second.
+REVERSED = {"add": "add", "mul": "mul", "max": "max", "min": "min",
+            "sub": "rsub", "div": "rdiv", "pow": "rpow", "rsub": "sub", "rdiv": "div", "rpow": "pow"}
 UNARY = tuple(name for name, op in OPS.items() if op.arity == 1)
 BINARY = tuple(name for name, op in OPS.items() if op.arity == 2)
 
@@ -46,7 +50,7 @@ MAX_DIMS = 8
 BLOCKS = (64, 128, 256, 512, 1024)
 UNROLLS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8, 16)
-_RHS = re.compile(r"(?:|p|x([1-9][0-9]?))\Z")
+_RHS = re.compile(r"(?:|p|x(0|[1-9][0-9]?))\Z")
 _INT32_LIMIT = 2 ** 31 - 1
 
 
@@ -85,7 +89,7 @@ class PointwiseSpec(KernelSpec):
                                       f", got {rhs!r}", arg="steps")
             if match.group(1):
                 used.add(int(match.group(1)))
-        if used != set(range(1, len(self.inputs))):
+        if not set(range(1, len(self.inputs))) <= used <= set(range(len(self.inputs))):
             raise ValidationError(f"steps: the chain must use each of inputs x1..x{len(self.inputs) - 1} "
                                   f"(uses {sorted(used)})", arg="steps")
         if len(self.access) != len(self.inputs) or len(self.zero) != len(self.inputs):

@@ -35,4 +35,8 @@ __device__ __forceinline__ float op_div(float a, float b) { return a / b; }
 __device__ __forceinline__ float op_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ float op_min(float a, float b) { return (a < b || a != a) ? a : b; }
 __device__ __forceinline__ float op_pow(float a, float b) { return powf(a, b); }
+// Reversed operands, so a fused chain can carry its value as either operand.
+__device__ __forceinline__ float op_rsub(float a, float b) { return b - a; }
+__device__ __forceinline__ float op_rdiv(float a, float b) { return b / a; }
+__device__ __forceinline__ float op_rpow(float a, float b) { return powf(b, a); }
 }  // namespace nvdnn
