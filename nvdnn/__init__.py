@@ -2,6 +2,7 @@
 compiled at run time with NVRTC, cached by shape-aware specs and launched on CuPy arrays."""
 from . import dtypes, errors, reference
 from .cache import KernelCache, default_cache
+from .graph import Graph, Tensor
 from .dtypes import bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32, int64
 from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, gelu, identity, log,
                          maximum, minimum, mul, neg, power, relu, rsqrt, scale, sigmoid, silu, softplus,

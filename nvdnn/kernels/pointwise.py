@@ -292,6 +292,14 @@ def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:
     return (max(1, -(-(n // spec.vec) // per_block)), 1, 1)
 
 
+def unsupported_reason(spec: PointwiseSpec, arch: str) -> str | None:
+    """Why ``arch`` cannot run ``spec``, or None."""
+    from ..compiler import arch_number
+    if "bfloat16" in (*spec.inputs, spec.output) and arch_number(arch) < 80:
+        return "bfloat16 arithmetic needs sm_80 or later"
+    return None
+
+
 def candidates(spec: PointwiseSpec) -> list[PointwiseSpec]:
     """Tile variants of one spec, for autotuning: same code shape, other block / unroll."""
     return [dataclasses.replace(spec, block=b, unroll=u) for b in (128, 256, 512) for u in (1, 2, 4)]

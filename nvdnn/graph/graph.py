@@ -1,0 +1,536 @@
+"""Graph: describe work, run the cuDNN frontend's five steps, execute.
+
+    g = nvdnn.Graph(io_data_type="bfloat16")
+    x = g.tensor(dims=[8, 4096], name="x")
+    b = g.tensor(dims=[1, 4096], name="b")
+    y = g.gelu(g.add(x, b)).set_output(True)
+    g.build()                      # validate .. build_plans
+    g.execute({x: xa, b: ba, y: ya})
+
+Dynamic dims: every dim of a pointwise graph may change between executes (batch, rows,
+spatial) as long as the kernel stays the same: the broadcast pattern (which dims are 1),
+the rank and the vector width (last coalesced dim a multiple of 16 bytes) are static, and
+a change to them is a ValidationError naming the tensor and the dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import arrays, compiler, dtypes, fusion, runtime
+from ..cache import KernelBinary, default_cache
+from ..errors import DeviceError, DTypeError, UnsupportedError, ValidationError
+from ..kernels import pointwise
+from .ops import SCHEMAS
+from .tensor import Tensor, contiguous_strides
+
+_STATES = ("new", "validated", "fused", "planned", "supported", "built")
+WORKSPACE_ALIGN = 256
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    inputs: tuple
+    params: tuple
+    output: Tensor
+
+
+class _Launch(NamedTuple):
+    function: object
+    grid: tuple
+    block: tuple
+    slots: tuple          # per pointer argument: ("io", index) or ("ws", byte offset, dtype)
+    tail: tuple           # the integer and float arguments
+
+
+class Graph:
+    def __init__(self, io_data_type="float32", intermediate_data_type="float32", compute_data_type="float32",
+                 name: str = "graph", arch: str | None = None):
+        self.io_data_type = dtypes.dtype(io_data_type, arg="io_data_type").name
+        self.intermediate_data_type = dtypes.dtype(intermediate_data_type, arg="intermediate_data_type").name
+        self.compute_data_type = dtypes.dtype(compute_data_type, arg="compute_data_type").name
+        if self.compute_data_type != "float32":
+            raise DTypeError(f"compute_data_type: {self.compute_data_type}; nvdnn computes in float32",
+                             arg="compute_data_type")
+        self.name = name
+        self.arch = compiler.parse_arch(arch) if arch is not None else None
+        self.tensors: dict[int, Tensor] = {}
+        self.nodes: list[Node] = []
+        self._names: dict[str, Tensor] = {}
+        self._state = "new"
+        self._reset_plans()
+
+    def _reset_plans(self):
+        self.groups: list[fusion.KernelGroup] = []
+        self.candidates: list[list[pointwise.PointwiseSpec]] = []
+        self.rejected: list[list[tuple[pointwise.PointwiseSpec, str]]] = []
+        self.chosen: list[int] = []
+        self.binaries: dict[pointwise.PointwiseSpec, KernelBinary] = {}
+        self._prepared: dict = {}
+        self._slot: dict = {}
+        self._io: list[Tensor] = []
+
+    # -- building ----------------------------------------------------------------------------------
+    def _touch(self):
+        if self._state != "new":
+            self._state = "new"
+            self._reset_plans()
+
+    def _rename(self, tensor: Tensor, name: str):
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"tensor name: {name!r} is not a non-empty string", arg="name")
+        if name in self._names and self._names[name] is not tensor:
+            raise ValidationError(f"tensor name: '{name}' is already used in graph '{self.name}'", arg="name")
+        self._names.pop(tensor.name, None)
+        tensor.name = name
+        self._names[name] = tensor
+
+    def _new_tensor(self, dims, strides, data_type, name, uid, is_virtual) -> Tensor:
+        if uid is None:
+            uid = max(self.tensors, default=0) + 1
+        if type(uid) is not int or uid < 0:
+            raise ValidationError(f"uid: {uid!r} is not a non-negative int", arg="uid")
+        if uid in self.tensors:
+            raise ValidationError(f"uid: {uid} is already used by {self.tensors[uid]}", arg="uid")
+        name = name if name is not None else f"t{uid}"
+        if name in self._names:
+            raise ValidationError(f"tensor name: '{name}' is already used in graph '{self.name}'", arg="name")
+        tensor = Tensor(self, uid, name, dims, strides, data_type, is_virtual)
+        self.tensors[uid] = tensor
+        self._names[name] = tensor
+        self._touch()
+        return tensor
+
+    def tensor(self, dims, strides=None, data_type=None, name: str | None = None, uid: int | None = None,
+               is_virtual: bool = False) -> Tensor:
+        """An input (or output) tensor: dims in NCHW order, strides in elements (default: packed)."""
+        label = f"tensor '{name}'" if name else "tensor"
+        dims = tuple(dims)
+        if not dims or not all(type(d) is int and d >= 1 for d in dims):
+            raise ValidationError(f"{label}: dims {list(dims)} must be one or more ints >= 1", arg="dims")
+        strides = contiguous_strides(dims) if strides is None else tuple(strides)
+        if len(strides) != len(dims) or not all(type(s) is int for s in strides):
+            raise ValidationError(f"{label}: strides {list(strides)} must be {len(dims)} ints, one per dim",
+                                  arg="strides")
+        data_type = dtypes.dtype(data_type if data_type is not None else self.io_data_type, arg=label).name
+        return self._new_tensor(dims, strides, data_type, name, uid, is_virtual)
+
+    def tensor_like(self, array, name: str | None = None, uid: int | None = None) -> Tensor:
+        """A tensor with the dims, strides and data type of an array (CuPy, NumPy, DLPack)."""
+        itemsize = array.dtype.itemsize
+        return self.tensor(dims=array.shape, strides=[s // itemsize for s in array.strides],
+                           data_type=dtypes.of_array(array, arg=name or "array"), name=name, uid=uid)
+
+    def _op(self, op: str, inputs, params=(), name: str | None = None, uid: int | None = None,
+            out_name: str | None = None) -> Tensor:
+        node_name = name or f"{op}{len(self.nodes)}"
+        for position, t in enumerate(inputs):
+            if not isinstance(t, Tensor) or t.graph is not self:
+                raise ValidationError(f"node '{node_name}' ({op}): input {position} is not a tensor of graph "
+                                      f"'{self.name}'", arg=f"input{position}")
+        shape = pointwise.broadcast_shape([t.dims for t in inputs], [f"'{t.name}'" for t in inputs])
+        if len(set(len(t.dims) for t in inputs)) > 1 or len(shape) != len(inputs[0].dims):
+            ranks = ", ".join(f"'{t.name}' {list(t.dims)}" for t in inputs)
+            raise ValidationError(f"node '{node_name}' ({op}): inputs must have the same rank, with 1 in "
+                                  f"broadcast dims (cuDNN's rule); got {ranks}", arg="dims")
+        out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
+                               out_name or f"{node_name}.out", uid, True)
+        node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), out)
+        out.producer = node
+        self.nodes.append(node)
+        return out
+
+    # pointwise ops, NumPy names; binary ops take a scalar as second operand too
+    def _unary(op):
+        schema = SCHEMAS[op]
+
+        def method(self, x, *args, name=None, **kwargs):
+            values = dict(schema.params)
+            for (key, _), value in zip(schema.params, args):
+                values[key] = value
+            for key, value in kwargs.items():
+                if key not in values:
+                    raise ValidationError(f"{op}: unknown parameter '{key}' (takes "
+                                          f"{[k for k, _ in schema.params] or 'none'})", arg=key)
+                values[key] = math.inf if (op == "relu" and key == "clip" and value is None) else value
+            return self._op(op, (x,), tuple(values[k] for k, _ in schema.params), name)
+
+        method.__name__ = op
+        method.__doc__ = f"{op}(x{''.join(', ' + k for k, _ in schema.params)}) as a graph node."
+        return method
+
+    def _binary(op):
+        def method(self, a, b, name=None):
+            if isinstance(b, (int, float, np.number)):
+                return self._op(op, (a,), (b,), name)
+            return self._op(op, (a, b), (), name)
+
+        method.__name__ = op
+        method.__doc__ = f"{op}(a, b) as a graph node; b may be a tensor (broadcast) or a scalar."
+        return method
+
+    identity, neg, abs, exp, log, sqrt, rsqrt = map(_unary, ("identity", "neg", "abs", "exp", "log", "sqrt",
+                                                             "rsqrt"))
+    relu, silu, sigmoid, tanh, elu, softplus, scale = map(_unary, ("relu", "silu", "sigmoid", "tanh", "elu",
+                                                                   "softplus", "scale"))
+    add, sub, mul, div, maximum, minimum, power = map(_binary, ("add", "sub", "mul", "div", "maximum",
+                                                                "minimum", "power"))
+    del _unary, _binary
+
+    def gelu(self, x, approximate="none", name=None):
+        if approximate not in ("none", "tanh"):
+            raise ValidationError(f"approximate: {approximate!r} is not 'none' or 'tanh'", arg="approximate")
+        return self._op("gelu" if approximate == "none" else "gelu_tanh", (x,), (), name)
+
+    # -- the five steps ----------------------------------------------------------------------------
+    def validate(self) -> "Graph":
+        """Check every rule; the error names the node, the tensor, the dim and the rule."""
+        if not self.nodes:
+            raise ValidationError(f"graph '{self.name}': has no operations", arg="graph")
+        for node in self.nodes:
+            for t in node.inputs:
+                if t.data_type not in pointwise.DTYPES:
+                    raise DTypeError(f"node '{node.name}' ({node.op}): tensor '{t.name}' is {t.data_type}; "
+                                     f"pointwise ops take {', '.join(pointwise.DTYPES)}", arg=t.name)
+            if node.output.data_type not in pointwise.DTYPES:
+                raise DTypeError(f"node '{node.name}': output '{node.output.name}' is {node.output.data_type}; "
+                                 f"use one of {', '.join(pointwise.DTYPES)}", arg=node.output.name)
+        outputs = [n.output for n in self.nodes if not n.output.is_virtual]
+        if not outputs:
+            raise ValidationError(f"graph '{self.name}': no output; mark one with set_output(True)", arg="outputs")
+        for t in outputs:
+            if t.strides != contiguous_strides(t.dims):
+                raise ValidationError(f"tensor '{t.name}': output strides {list(t.strides)} are not packed "
+                                      f"(row-major {list(contiguous_strides(t.dims))}); pointwise kernels "
+                                      "write packed outputs", arg=t.name)
+        for t in self.tensors.values():
+            if t.is_virtual and t.producer is None:
+                raise ValidationError(f"tensor '{t.name}': virtual but no node produces it; "
+                                      "create inputs with is_virtual=False", arg=t.name)
+        self._state = "validated"
+        return self
+
+    def build_operation_graph(self) -> "Graph":
+        """Partition into kernel groups (fusion)."""
+        self._require("validated")
+        consumers = {uid: [] for uid in self.tensors}
+        for node in self.nodes:
+            for position, t in enumerate(node.inputs):
+                consumers[t.uid].append((node, position))
+        self.groups = fusion.partition(self.nodes, consumers)
+        self._io = sorted((t for t in self.tensors.values() if not t.is_virtual), key=lambda t: t.uid)
+        self._slot = {}
+        for index, t in enumerate(self._io):
+            self._slot[t] = self._slot[t.uid] = self._slot[t.name] = index
+        self._state = "fused"
+        return self
+
+    def create_execution_plans(self) -> "Graph":
+        """Candidate specs per kernel group: the heuristic choice first, then tile variants."""
+        self._require("fused")
+        self.candidates = []
+        for group in self.groups:
+            base = self._plan(group, [self._operand(t) for t in group.inputs]).spec
+            self.candidates.append(list(dict.fromkeys([base] + pointwise.candidates(base))))
+        self._state = "planned"
+        return self
+
+    def check_support(self) -> "Graph":
+        """Drop candidates this arch cannot run; raise, with each reason, if a group has none left."""
+        self._require("planned")
+        arch = self._arch()
+        self.rejected = []
+        for index, specs in enumerate(self.candidates):
+            kept, dropped = [], []
+            for spec in specs:
+                reason = pointwise.unsupported_reason(spec, arch)
+                (dropped.append((spec, reason)) if reason else kept.append(spec))
+            if not kept:
+                detail = "; ".join(f"{s.uri}: {r}" for s, r in dropped)
+                raise UnsupportedError(f"group {index} ({self.groups[index].describe()}): no candidate runs on "
+                                       f"{arch}: {detail}")
+            self.candidates[index], _ = kept, self.rejected.append(dropped)
+        self.chosen = [self._tuned_choice(i) for i in range(len(self.groups))]
+        self._state = "supported"
+        return self
+
+    def build_plans(self, policy: str = "heuristic") -> "Graph":
+        """Compile through the cache: the chosen candidate per group, or every one (``"all"``)."""
+        self._require("supported")
+        if policy not in ("heuristic", "all"):
+            raise ValidationError(f"policy: {policy!r} is not 'heuristic' or 'all'", arg="policy")
+        arch, cache = self._arch(), default_cache()
+        for index, specs in enumerate(self.candidates):
+            for spec in (specs if policy == "all" else [specs[self.chosen[index]]]):
+                self.binaries[spec] = cache.get(spec, arch)
+        self._prepared.clear()
+        self._state = "built"
+        return self
+
+    def build(self, policy: str = "heuristic") -> "Graph":
+        """All five steps."""
+        return (self.validate().build_operation_graph().create_execution_plans().check_support()
+                .build_plans(policy))
+
+    def get_execution_plan_count(self) -> int:
+        """Plan i takes candidate i of every group (the last one where a group has fewer)."""
+        self._require("supported")
+        return max(len(c) for c in self.candidates)
+
+    def build_plan_at_index(self, index: int) -> "Graph":
+        self._require("supported")
+        count = self.get_execution_plan_count()
+        if type(index) is not int or not 0 <= index < count:
+            raise ValidationError(f"index: {index!r} outside 0..{count - 1}", arg="index")
+        self.chosen = [min(index, len(c) - 1) for c in self.candidates]
+        return self.build_plans("heuristic")
+
+    def execute_plan_at_index(self, variant_pack, workspace=None, index: int = 0, stream=None):
+        self.build_plan_at_index(index)
+        return self.execute(variant_pack, workspace, stream)
+
+    def get_workspace_size(self) -> int:
+        self._require("fused")
+        return self._workspace_layout([t.dims for t in self._io])[1]
+
+    def explain(self) -> str:
+        """Kernel groups, their candidates, the chosen plans and their spec uris."""
+        lines = [f"graph '{self.name}' ({self._state}): {len(self.nodes)} ops in {len(self.groups)} kernels, "
+                 f"workspace {self.get_workspace_size() if self.groups else 0} bytes"]
+        for index, group in enumerate(self.groups):
+            lines.append(f"  kernel {index}: {group.describe()}")
+            for c, spec in enumerate(self.candidates[index] if index < len(self.candidates) else []):
+                mark = "*" if self.chosen and self.chosen[index] == c else " "
+                lines.append(f"    {mark} [{c}] {spec.uri}")
+            for spec, reason in (self.rejected[index] if index < len(self.rejected) else []):
+                lines.append(f"      dropped {spec.uri}: {reason}")
+        return "\n".join(lines)
+
+    # -- execution ---------------------------------------------------------------------------------
+    def execute(self, variant_pack, workspace=None, stream=None, backend: str = "cuda"):
+        """Run the built graph. Keys: tensors, uids or names; values: device arrays.
+
+        No allocation and no host synchronization: capturable into a CUDA graph.
+        ``backend="numpy"`` runs the float64 reference on NumPy arrays instead.
+        """
+        if backend == "numpy":
+            return self._execute_numpy(variant_pack)
+        if backend != "cuda":
+            raise ValidationError(f"backend: {backend!r} is not 'cuda' or 'numpy'", arg="backend")
+        bound = self._bind(variant_pack)
+        for launch, pointers in self._launches(bound, workspace):
+            args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
+            launch.function(launch.grid, launch.block, (*args, *launch.tail), stream=stream)
+
+    def _launches(self, bound, workspace) -> list:
+        """The launches for these arrays: planned once per signature (shapes, strides, alignment)."""
+        if self._state != "built":
+            self._require("built")
+        device = arrays.cupy().cuda.runtime.getDevice()
+        key = (device, None if workspace is None else workspace.data.ptr,
+               *[(a.shape, a.strides, a.dtype, a.data.ptr % 16, a.data.device_id) for a in bound])
+        launches = self._prepared.get(key)
+        if launches is None:
+            launches = self._prepared[key] = self._prepare(bound, workspace, device)
+        return launches
+
+    def _bind(self, variant_pack) -> list:
+        bound = [None] * len(self._io)
+        cp = arrays.cupy()
+        for key, value in variant_pack.items():
+            index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
+            if index is None:
+                raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}' "
+                                      f"(known: {', '.join(t.name for t in self._io)})", arg="variant_pack")
+            bound[index] = value if type(value) is cp.ndarray else arrays.to_device(value, self._io[index].name)[0]
+        for index, value in enumerate(bound):
+            if value is None:
+                raise ValidationError(f"variant_pack: no array for tensor '{self._io[index].name}'",
+                                      arg=self._io[index].name)
+        return bound
+
+    def _prepare(self, bound, workspace, device) -> list:
+        """Check every array against its tensor, then plan each launch for these shapes."""
+        for t, a in zip(self._io, bound):
+            if a.data.device_id != device:
+                raise DeviceError(f"tensor '{t.name}': array is on device {a.data.device_id}, the current device "
+                                  f"is {device}", arg=t.name)
+            if dtypes.of_array(a, arg=t.name).name != t.data_type:
+                raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
+            if a.ndim != len(t.dims):
+                raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
+                                      arg=t.name)
+        dims = [a.shape for a in bound]
+        offsets, needed = self._workspace_layout(dims)
+        if needed and (workspace is None or workspace.nbytes < needed):
+            have = "none" if workspace is None else f"{workspace.nbytes} bytes"
+            raise ValidationError(f"workspace: this execute needs {needed} bytes, got {have} "
+                                  "(get_workspace_size() for the built dims)", arg="workspace")
+        arch, out = self._arch(device), []
+        shapes = self._shapes(dims)
+        for index, group in enumerate(self.groups):
+            operands = []
+            for t in group.inputs:
+                if t.is_virtual:
+                    operands.append(pointwise.Operand(t.data_type, shapes[t.uid], contiguous_strides(shapes[t.uid])))
+                else:
+                    a = bound[self._slot[t]]
+                    operands.append(pointwise.Operand(t.data_type, a.shape, tuple(s // a.itemsize for s in a.strides),
+                                                      arrays.alignment(a.data.ptr)))
+            spec = self.candidates[index][self.chosen[index]]
+            result = group.output
+            if not result.is_virtual and bound[self._slot[result]].shape != shapes[result.uid]:
+                raise ValidationError(f"tensor '{result.name}': array shape {bound[self._slot[result]].shape} "
+                                      f"should be {shapes[result.uid]}, the broadcast of its inputs", arg=result.name)
+            align = 16 if result.is_virtual else arrays.alignment(bound[self._slot[result]].data.ptr)
+            launch = self._plan(group, operands, spec, align)
+            if launch.spec != spec:
+                raise ValidationError(self._static_change(group, bound, launch.spec, spec), arg="dims")
+            binary = self.binaries.get(spec)
+            if binary is None:
+                raise ValidationError(f"kernel {index}: candidate {self.chosen[index]} is not built; call "
+                                      "build_plans()", arg="plan")
+            slots, pointers = [], []
+            for t in (result, *group.inputs):
+                if t.is_virtual:
+                    view = workspace[offsets[t.uid]:offsets[t.uid] + math.prod(shapes[t.uid])
+                                     * dtypes.BY_NAME[t.data_type].itemsize].view(dtypes.BY_NAME[t.data_type].np)
+                    slots.append(("ws",)), pointers.append(view)
+                else:
+                    slots.append(("io", self._slot[t])), pointers.append(None)
+            index_type = np.int64 if spec.index == "int64" else np.int32
+            tail = tuple(index_type(v) for v in launch.int_args) + tuple(np.float32(p) for p in group.params)
+            fn = runtime.function(binary, device)
+            out.append((_Launch(fn, launch.grid, launch.block, tuple(slots), tail), pointers))
+        return out
+
+    def _plan(self, group, operands, spec=None, out_align=16):
+        out = group.output
+        block = spec.block if spec else None
+        unroll = spec.unroll if spec else None
+        try:
+            return pointwise.plan(group.steps, operands, out.data_type, names=[f"'{t.name}'" for t in group.inputs],
+                                  out_align=out_align, block=block, unroll=unroll)
+        except ValidationError as exc:
+            raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
+                                  arg=exc.arg) from None
+
+    def _static_change(self, group, bound, got, built) -> str:
+        for t in group.inputs + [group.output]:
+            if t.is_virtual:
+                continue
+            a = bound[self._slot[t]]
+            for d, (size, built_size) in enumerate(zip(a.shape, t.dims)):
+                if size != built_size:
+                    return (f"tensor '{t.name}' dim {d}: {size} instead of the built {built_size} changes the "
+                            f"kernel ({built.uri} -> {got.uri}); the broadcast pattern and the vector width are "
+                            "static: rebuild the graph for this shape")
+            strides = tuple(s // a.itemsize for s in a.strides)
+            if strides != t.strides or arrays.alignment(a.data.ptr) < 16:
+                return (f"tensor '{t.name}': strides {list(strides)} / address alignment "
+                        f"{arrays.alignment(a.data.ptr)} differ from the built {list(t.strides)} / 16 and change "
+                        f"the kernel ({built.uri} -> {got.uri}); rebuild the graph for these arrays")
+        return f"the kernel changes ({built.uri} -> {got.uri}); rebuild the graph for these arrays"
+
+    def _shapes(self, io_dims) -> dict[int, tuple]:
+        """Dims of every tensor for the given io dims (virtual ones by broadcasting)."""
+        shapes = {t.uid: tuple(d) for t, d in zip(self._io, io_dims)}
+        for node in self.nodes:
+            shapes[node.output.uid] = shapes.get(node.output.uid) if not node.output.is_virtual else \
+                pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs], [t.name for t in node.inputs])
+        return shapes
+
+    def _workspace_layout(self, io_dims) -> tuple[dict[int, int], int]:
+        """Byte offsets of the materialized virtual tensors (group outputs) and the total."""
+        shapes, offsets, total = self._shapes(io_dims), {}, 0
+        for group in self.groups:
+            t = group.output
+            if t.is_virtual:
+                offsets[t.uid] = total
+                nbytes = math.prod(shapes[t.uid]) * dtypes.BY_NAME[t.data_type].itemsize
+                total += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        return offsets, total
+
+    def _execute_numpy(self, variant_pack):
+        """Float64 NumPy reference of every node; results written into the pack's arrays."""
+        if self._state in ("new",):
+            self.validate()
+        if not self._io:
+            self.build_operation_graph()
+        values = {}
+        for key, value in variant_pack.items():
+            index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
+            if index is None:
+                raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}'",
+                                      arg="variant_pack")
+            values[self._io[index].uid] = value
+        for node in self.nodes:
+            args = [np.asarray(values[t.uid], dtype=np.float64) for t in node.inputs]
+            values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
+        for t in self._io:
+            if t.producer is not None:
+                target = variant_pack.get(t, variant_pack.get(t.uid, variant_pack.get(t.name)))
+                target[...] = values[t.uid].astype(target.dtype)
+
+    # -- blobs and CUDA graphs ---------------------------------------------------------------------
+    def serialize(self) -> bytes:
+        """The built graph as a plan blob (see nvdnn.plan): loads elsewhere without compiling."""
+        from .. import plan
+        return plan.serialize(self)
+
+    @staticmethod
+    def deserialize(blob: bytes) -> "Graph":
+        """A built graph from a blob, verified in full first; compiles nothing."""
+        from .. import plan
+        return plan.deserialize(blob)
+
+    def capture(self, variant_pack, workspace=None) -> "CapturedGraph":
+        """Capture one execute on these fixed buffers into a CUDA graph; replay it with ``.replay()``."""
+        cp = arrays.cupy()
+        bound = self._bind(variant_pack)
+        self._launches(bound, workspace)  # plan and load modules outside the capture
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                self.execute(variant_pack, workspace, stream=stream)
+            finally:
+                cuda_graph = stream.end_capture()
+        return CapturedGraph(cuda_graph, stream, len(self.groups), (bound, workspace))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _operand(self, t: Tensor) -> pointwise.Operand:
+        return pointwise.Operand(t.data_type, t.dims, t.strides if not t.is_virtual else contiguous_strides(t.dims))
+
+    def _arch(self, device: int | None = None) -> str:
+        return self.arch if self.arch is not None else compiler.device_arch(device)
+
+    def _require(self, state: str):
+        if _STATES.index(self._state) < _STATES.index(state):
+            steps = ("validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans")
+            raise ValidationError(f"graph '{self.name}' is {self._state}; run {steps[_STATES.index(state) - 1]}() "
+                                  "first (or build())", arg="graph")
+
+    def _tuned_choice(self, index: int) -> int:
+        from ..autotune import tuned_index
+        return tuned_index(self.candidates[index], self._arch(), math.prod(self.groups[index].output.dims))
+
+    def autotune(self, variant_pack, workspace=None, *, repeat: int = 20, warmup: int = 3) -> list[dict]:
+        """Time every candidate on these buffers, keep the fastest, record all timings (see autotune)."""
+        from ..autotune import autotune
+        return autotune(self, variant_pack, workspace, repeat=repeat, warmup=warmup)
+
+
+class CapturedGraph:
+    """An execute captured into a CUDA graph on fixed buffers (kept alive here)."""
+
+    def __init__(self, cuda_graph, stream, kernels: int, buffers):
+        self.cuda_graph, self.stream, self.kernels, self._buffers = cuda_graph, stream, kernels, buffers
+
+    def replay(self, stream=None) -> None:
+        self.cuda_graph.launch(stream if stream is not None else self.stream)

@@ -1,0 +1,66 @@
+"""Graph tensors: logical dims in NCHW order, strides giving the physical layout (cuDNN's rule)."""
+from __future__ import annotations
+
+
+def contiguous_strides(dims) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(dims):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def nhwc_strides(dims) -> tuple[int, ...]:
+    """Strides of NCHW-ordered ``dims`` stored channels-last (NHWC)."""
+    if len(dims) < 3:
+        return contiguous_strides(dims)
+    n, c, *spatial = dims
+    inner = contiguous_strides(spatial + [c])  # memory order: spatial..., C
+    return (inner[0] * spatial[0], 1, *(s for s in inner[:-1]))
+
+
+class Tensor:
+    """A node of the graph's data: created by ``Graph.tensor`` or returned by an op.
+
+    ``is_virtual`` tensors live inside fused kernels (or the workspace) and never reach the
+    caller; ``set_output(True)`` makes one a result that ``execute`` writes to.
+    """
+
+    __slots__ = ("graph", "uid", "name", "dims", "strides", "data_type", "is_virtual", "producer")
+
+    def __init__(self, graph, uid: int, name: str, dims, strides, data_type: str, is_virtual: bool):
+        self.graph, self.uid, self.name = graph, uid, name
+        self.dims, self.strides = tuple(dims), tuple(strides)
+        self.data_type, self.is_virtual = data_type, is_virtual
+        self.producer = None
+
+    def set_output(self, is_output: bool = True) -> "Tensor":
+        self.is_virtual = not is_output
+        if is_output and self.producer is not None and self.data_type == self.graph.intermediate_data_type:
+            self.data_type = self.graph.io_data_type
+        return self
+
+    def set_data_type(self, data_type) -> "Tensor":
+        from ..dtypes import dtype
+        self.data_type = dtype(data_type, arg=f"tensor '{self.name}'").name
+        return self
+
+    def set_name(self, name: str) -> "Tensor":
+        self.graph._rename(self, name)
+        return self
+
+    def get_dims(self) -> list[int]:
+        return list(self.dims)
+
+    def get_stride(self) -> list[int]:
+        return list(self.strides)
+
+    def get_data_type(self) -> str:
+        return self.data_type
+
+    def get_uid(self) -> int:
+        return self.uid
+
+    def __repr__(self) -> str:
+        kind = "virtual" if self.is_virtual else "io"
+        return f"Tensor('{self.name}', uid={self.uid}, dims={list(self.dims)}, {self.data_type}, {kind})"
