@@ -16,4 +16,5 @@ print(f"device {props['name'].decode()} arch {compiler.device_arch()} NVRTC {com
 PY
 python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 python3 benchmarks/bench_pointwise.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+python3 benchmarks/bench_graph.py --json "$out/bench_graph.json" 2>&1 | tee "$out/bench_graph.log"
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from .cache import _atomic_write, default_folder
@@ -61,9 +62,12 @@ class TuningDB:
 
 
 def _device_name() -> str:
-    """The current GPU's name ("" without one): part of every tuning key."""
+    """The current GPU's name ("" without one): part of every tuning key. Asks CuPy only if the
+    program already uses it, so a deviceless build does not pay for importing it."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return ""
     try:
-        import cupy
         device = cupy.cuda.runtime.getDevice()
     except Exception:
         return ""

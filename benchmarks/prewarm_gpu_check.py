@@ -1,0 +1,65 @@
+"""Compile on the CPU what benchmarks/gpu_check.sh needs, so the GPU machine compiles nothing:
+the pointwise preset, the graphs of the GPU tests and benchmarks (deviceless builds), and
+the specs of an earlier GPU run's recording if given. Writes the CPU-built blob the GPU
+tests load in a fresh process (NVDNN_TEST_BLOB).
+
+    NVDNN_CACHE_DIR=.gpu-cache python benchmarks/prewarm_gpu_check.py --arch sm_90 [--record FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import nvdnn  # noqa: E402
+from nvdnn import warm  # noqa: E402
+from tests.graphs import bias_gelu_graph, three_kernel_graph  # noqa: E402
+from tests.test_gpu_graph import BINARY_METHODS, UNARY_METHODS  # noqa: E402
+
+
+def gpu_test_graphs(arch):
+    for dtype in ("float32", "float16", "bfloat16"):
+        for op in sorted(UNARY_METHODS) + list(BINARY_METHODS):
+            g = nvdnn.Graph(io_data_type=dtype, name=op, arch=arch)
+            x = g.tensor(dims=[3, 37, 129], name="x")
+            if op in BINARY_METHODS:
+                getattr(g, op)(x, g.tensor(dims=[1, 37, 1], name="b"), name="y").set_output(True)
+            elif op == "gelu_tanh":
+                g.gelu(x, approximate="tanh", name="y").set_output(True)
+            else:
+                getattr(g, op)(x, name="y", **UNARY_METHODS[op]).set_output(True)
+            yield g, "heuristic"
+    for rows in (1, 33, 64):
+        yield three_kernel_graph(arch, rows=rows, width=1024 if rows == 1 else 4096), "heuristic"
+    yield bias_gelu_graph(arch, rows=64), "heuristic"
+    yield bias_gelu_graph(arch, rows=1, width=1024), "heuristic"
+    yield bias_gelu_graph(arch, rows=16384), "all"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--record", help="an NVDNN_RECORD file from an earlier GPU run")
+    args = parser.parse_args()
+    cache = nvdnn.default_cache()
+    jobs = [(spec, args.arch) for spec in warm.preset_specs(["pointwise"])]
+    if args.record and os.path.exists(args.record):
+        jobs += [(spec, arch or args.arch) for spec, arch in warm.read_spec_file(args.record)]
+    for g, policy in gpu_test_graphs(args.arch):
+        g.validate().build_operation_graph().create_execution_plans().check_support()
+        jobs += [(spec, args.arch) for i, specs in enumerate(g.candidates)
+                 for spec in (specs if policy == "all" else [specs[g.chosen[i]]])]
+    report = warm.warm(jobs, cache)
+    print(f"{cache.folder}: compiled {len(report.compiled)}, cached {len(report.cached)}, "
+          f"failed {len(report.failed)} in {report.seconds:.1f}s")
+    blob = three_kernel_graph(args.arch).build().serialize()
+    with open(os.path.join(cache.folder, "three_kernel.blob"), "wb") as out:
+        out.write(blob)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
