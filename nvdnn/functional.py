@@ -1,8 +1,8 @@
 """NumPy-style entry points on CuPy arrays (and DLPack / NumPy arrays).
 
-A call is planned once per signature (op chain, dtypes, shapes, strides,
-alignments, device); a repeated call costs one dict lookup, an output
-allocation and the launch.
+Each call runs a one-kernel graph, built once per kernel spec and cached; a call with a new
+shape is planned once through that graph (which checks every array), and a repeated call
+costs one dict lookup, an output allocation and the launch.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, compiler, dtypes, runtime
-from .cache import default_cache
-from .errors import DeviceError, DTypeError, ValidationError
+from . import arrays, compiler, dtypes
+from .errors import DTypeError, ValidationError
+from .graph import Graph
 from .kernels import pointwise
 
 __all__ = [
@@ -28,13 +28,16 @@ class _Prepared(NamedTuple):
     function: object
     grid: tuple
     block: tuple
+    order: tuple          # per pointer argument: its index in (out, *inputs)
     int_args: tuple
     shape: tuple
     dtype: np.dtype
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
-_FLOATS = ("float32", "float16", "bfloat16")
+_GRAPHS: dict[tuple, Graph] = {}
+# kernel op -> graph op (the reversed ops exist for scalar-first calls such as sub(1.0, x))
+_GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
 
 
 def _signature(x):
@@ -46,39 +49,51 @@ def _result_dtype(tensors) -> str:
     return kinds.pop() if len(kinds) == 1 else "float32"
 
 
-def _prepare(steps, xs, names, out, out_dtype, device, n_params) -> _Prepared:
-    for name, x in zip(names, xs):
-        if x.data.device_id != device:
-            raise DeviceError(f"{name}: array is on device {x.data.device_id}, but the current device "
-                              f"is {device}; move it or switch with `with cupy.cuda.Device({x.data.device_id})`",
-                              arg=name)
-    operands = []
-    for name, x in zip(names, xs):
-        dt = dtypes.of_array(x, arg=name).name
-        operands.append(pointwise.Operand(dt, x.shape, tuple(s // x.itemsize for s in x.strides),
-                                          arrays.alignment(x.data.ptr)))
-    shape = pointwise.broadcast_shape([x.shape for x in xs], names)
-    out_align = 16
-    if out is not None:
-        if out.data.device_id != device:
-            raise DeviceError(f"out: array is on device {out.data.device_id}, not the current device "
-                              f"{device}", arg="out")
-        if out.shape != shape:
-            raise ValidationError(f"out: shape {out.shape} should be {shape}, the broadcast shape of "
-                                  "the inputs", arg="out")
-        if dtypes.of_array(out, arg="out").name != out_dtype:
-            raise DTypeError(f"out: data type {out.dtype} should be {out_dtype}", arg="out")
-        if not out.flags.c_contiguous:
-            raise ValidationError("out: must be C-contiguous", arg="out")
-        out_align = arrays.alignment(out.data.ptr)
-    launch = pointwise.plan(steps, operands, out_dtype, names=names, out_align=out_align)
-    if launch.spec.n_params != n_params:
-        raise ValidationError(f"params: the chain takes {launch.spec.n_params} scalars, got {n_params}",
-                              arg="params")
-    binary = default_cache().get(launch.spec, compiler.device_arch(device))
-    index = np.int64 if launch.spec.index == "int64" else np.int32
-    return _Prepared(runtime.function(binary, device), launch.grid, launch.block,
-                     tuple(index(v) for v in launch.int_args), shape, dtypes.BY_NAME[out_dtype].np)
+def _graph_for(steps, xs, names, out_dtype, params, device, out_align) -> Graph:
+    """The one-kernel graph of a chain, built once per kernel spec (op chain, dtypes, rank,
+    broadcast pattern, alignment class): other sizes reuse it, and its compiled kernel."""
+    operands = [pointwise.Operand(dtypes.of_array(x, arg=n).name, x.shape, tuple(s // x.itemsize for s in x.strides),
+                                  arrays.alignment(x.data.ptr)) for x, n in zip(xs, names)]
+    spec = pointwise.plan(steps, operands, out_dtype, names=list(names), out_align=out_align).spec
+    if spec.n_params != len(params):
+        raise ValidationError(f"params: the chain takes {spec.n_params} scalars, got {len(params)}", arg="params")
+    key = (spec, tuple(names))
+    graph = _GRAPHS.get(key)
+    if graph is None:
+        graph = Graph(io_data_type=out_dtype, name="functional", arch=compiler.device_arch(device))
+        tensors = [graph.tensor_like(x, name=n) for x, n in zip(xs, names)]
+        value, slots = tensors[0], iter(params)
+        for number, (op, rhs) in enumerate(steps):
+            name = _GRAPH_OP.get(op, op)
+            last = {"name": f"step{number}", "out_name": "out"} if number == len(steps) - 1 else {}
+            if rhs == "":
+                taken = tuple(next(slots) for _ in pointwise.OPS[op].params)
+                value = graph._op(name, (value,), taken, **last)
+            elif rhs == "p":
+                value = graph._op(name, (value,), (next(slots),), **last)
+            else:
+                value = graph._op(name, (value, tensors[int(rhs[1:])]), (), **last)
+        value.set_output(True).set_data_type(out_dtype).set_alignment(out_align)
+        graph.build()
+        _GRAPHS[key] = graph
+    return graph
+
+
+def _prepare(steps, xs, names, out, out_dtype, device, params) -> _Prepared:
+    """Plan a call through the chain's cached graph, which checks every array against its tensor."""
+    rank = max(x.ndim for x in xs)  # graphs take equal ranks (1 in broadcast dims): pad views
+    xs = [x.reshape((1,) * (rank - x.ndim) + x.shape) if x.ndim < rank else x for x in xs]
+    graph = _graph_for(steps, xs, names, out_dtype, params, device,
+                       16 if out is None else arrays.alignment(out.data.ptr))
+    shape = pointwise.broadcast_shape([x.shape for x in xs], list(names))
+    target = out if out is not None else arrays.cupy().empty(shape, dtypes.BY_NAME[out_dtype].np)
+    bound = graph._bind({"out": target, **dict(zip(names, xs))})
+    (launch, _), = graph._launches(bound, None)
+    position = {name: i + 1 for i, name in enumerate(names)} | {"out": 0}
+    order = tuple(position[graph._io[slot[1]].name] for slot in launch.slots)
+    n_params = len(params)
+    ints = launch.tail[:len(launch.tail) - n_params]
+    return _Prepared(launch.function, launch.grid, launch.block, order, ints, shape, dtypes.BY_NAME[out_dtype].np)
 
 
 def elementwise(steps, *inputs, params=(), out=None, dtype=None, stream=None):
@@ -104,25 +119,40 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
     if out is not None:
         out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
     device = cp.cuda.runtime.getDevice()
-    if dtype is None:
-        out_dtype = dtypes.of_array(out_dev, arg="out").name if out_dev is not None else _result_dtype(xs)
-    else:
-        out_dtype = dtypes.dtype(dtype).name
+    out_dtype = _result_dtype(xs) if dtype is None else dtypes.dtype(dtype).name
+    if out_dev is not None:  # out= sets the result type (cast in the epilogue) unless dtype= says otherwise
+        given = dtypes.of_array(out_dev, arg="out").name
+        if given not in pointwise.DTYPES or (dtype is not None and given != out_dtype):
+            raise DTypeError(f"out: data type {given} " + (f"is not the requested {out_dtype}" if dtype is not None
+                             else f"is not one of {', '.join(pointwise.DTYPES)}"), arg="out")
+        out_dtype = given
     if type(steps) is not tuple:
         steps = tuple(tuple(step) for step in steps)
     key = (steps, out_dtype, device, len(params), None if out_dev is None else _signature(out_dev),
            *[_signature(x) for x in xs])
     prep = _PREPARED.get(key)
     if prep is None:
-        prep = _PREPARED[key] = _prepare(steps, xs, names, out_dev, out_dtype, device, len(params))
+        if any(0 in x.shape for x in xs):  # nothing to compute; shapes still have to agree
+            return _empty_result(xs, names, out, out_dev, out_dtype, back)
+        prep = _PREPARED[key] = _prepare(steps, xs, tuple(names), out_dev, out_dtype, device, params)
     y = out_dev if out_dev is not None else cp.empty(prep.shape, prep.dtype)
-    if y.size:
-        prep.function(prep.grid, prep.block, (y, *xs, *prep.int_args, *map(np.float32, params)),
-                      stream=stream)
+    pointers = (y, *xs)
+    prep.function(prep.grid, prep.block, (*[pointers[i] for i in prep.order], *prep.int_args,
+                                          *map(np.float32, params)), stream=stream)
     if out is not None and out_dev is not out:
         if isinstance(out, np.ndarray):
             out[...] = y.get()
         return out
+    return back(y) if back is not None else y
+
+
+def _empty_result(xs, names, out, out_dev, out_dtype, back):
+    shape = pointwise.broadcast_shape([x.shape for x in xs], list(names))
+    if out_dev is not None:
+        if out_dev.shape != shape:
+            raise ValidationError(f"out: shape {out_dev.shape} should be {shape}", arg="out")
+        return out
+    y = arrays.cupy().empty(shape, dtypes.BY_NAME[out_dtype].np)
     return back(y) if back is not None else y
 
 

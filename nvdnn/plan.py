@@ -30,11 +30,12 @@ def _describe(graph) -> dict:
         "name": graph.name, "io_data_type": graph.io_data_type,
         "intermediate_data_type": graph.intermediate_data_type, "compute_data_type": graph.compute_data_type,
         "tensors": [{"uid": t.uid, "name": t.name, "dims": list(t.dims), "strides": list(t.strides),
-                     "data_type": t.data_type, "virtual": t.is_virtual}
+                     "data_type": t.data_type, "virtual": t.is_virtual, "alignment": t.alignment}
                     for t in graph.tensors.values() if t.producer is None],
         "nodes": [{"name": n.name, "op": n.op, "inputs": [t.uid for t in n.inputs], "params": list(n.params),
                    "output": {"uid": n.output.uid, "name": n.output.name, "data_type": n.output.data_type,
-                              "virtual": n.output.is_virtual}} for n in graph.nodes],
+                              "virtual": n.output.is_virtual, "alignment": n.output.alignment}}
+                  for n in graph.nodes],
     }
 
 
@@ -153,12 +154,13 @@ def _rebuild(desc: dict, arch: str):
                   name=desc["name"], arch=arch)
     for t in desc["tensors"]:
         graph.tensor(dims=t["dims"], strides=t["strides"], data_type=t["data_type"], name=t["name"],
-                     uid=t["uid"], is_virtual=t["virtual"])
+                     uid=t["uid"], is_virtual=t["virtual"], alignment=t["alignment"])
     for n in desc["nodes"]:
         out = n["output"]
         graph._op(n["op"], [graph.tensors[u] for u in n["inputs"]], n["params"], n["name"],
                   uid=out["uid"], out_name=out["name"])
-        graph.tensors[out["uid"]].set_output(not out["virtual"]).set_data_type(out["data_type"])
+        graph.tensors[out["uid"]].set_output(not out["virtual"]).set_data_type(out["data_type"]).set_alignment(
+            out["alignment"])
     graph.validate().build_operation_graph().create_execution_plans()
     graph.check_support()
     return graph

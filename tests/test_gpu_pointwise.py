@@ -209,8 +209,17 @@ def test_bad_input_names_the_argument():
         nvdnn.gelu(x, out=poisoned((16, 9), "float32"))
     assert info.value.arg == "out"
     with pytest.raises(DTypeError) as info:
-        nvdnn.gelu(x, out=poisoned((16, 8), "float16"))
+        nvdnn.gelu(x, out=poisoned((16, 8), "float16"), dtype="float32")
     assert info.value.arg == "out"
+    with pytest.raises(DTypeError) as info:
+        nvdnn.gelu(x, out=cupy.zeros((16, 8), dtype=cupy.int32))
+    assert info.value.arg == "out"
+    with pytest.raises(ValidationError) as info:
+        nvdnn.gelu(x, out=poisoned((8, 16), "float32").T)
+    assert info.value.arg == "out"
+    half = poisoned((16, 8), "float16")
+    nvdnn.gelu(x, out=half)  # out= without dtype= casts, as NumPy's same_kind rule
+    check(half, ref.gelu(x.get()), "float16", "out= sets the result type")
     with pytest.raises(ValidationError) as info:
         nvdnn.gelu(x, approximate="fast")
     assert info.value.arg == "approximate"

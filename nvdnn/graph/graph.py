@@ -107,9 +107,12 @@ class Graph:
         return tensor
 
     def tensor(self, dims, strides=None, data_type=None, name: str | None = None, uid: int | None = None,
-               is_virtual: bool = False) -> Tensor:
-        """An input (or output) tensor: dims in NCHW order, strides in elements (default: packed)."""
+               is_virtual: bool = False, alignment: int = 16) -> Tensor:
+        """An input (or output) tensor: dims in NCHW order, strides in elements (default: packed);
+        ``alignment``: the bytes its arrays' addresses are a multiple of."""
         label = f"tensor '{name}'" if name else "tensor"
+        if alignment not in (1, 2, 4, 8, 16):
+            raise ValidationError(f"{label}: alignment {alignment!r} is not 1, 2, 4, 8 or 16", arg="alignment")
         dims = tuple(dims)
         if not dims or not all(type(d) is int and d >= 1 for d in dims):
             raise ValidationError(f"{label}: dims {list(dims)} must be one or more ints >= 1", arg="dims")
@@ -118,13 +121,19 @@ class Graph:
             raise ValidationError(f"{label}: strides {list(strides)} must be {len(dims)} ints, one per dim",
                                   arg="strides")
         data_type = dtypes.dtype(data_type if data_type is not None else self.io_data_type, arg=label).name
-        return self._new_tensor(dims, strides, data_type, name, uid, is_virtual)
+        tensor = self._new_tensor(dims, strides, data_type, name, uid, is_virtual)
+        tensor.alignment = alignment
+        return tensor
 
     def tensor_like(self, array, name: str | None = None, uid: int | None = None) -> Tensor:
-        """A tensor with the dims, strides and data type of an array (CuPy, NumPy, DLPack)."""
+        """A tensor with the dims, strides, data type (and, for device arrays, the address
+        alignment) of an array (CuPy, NumPy, DLPack)."""
         itemsize = array.dtype.itemsize
+        data = getattr(array, "data", None)
+        align = arrays.alignment(data.ptr) if hasattr(data, "ptr") else 16
         return self.tensor(dims=array.shape, strides=[s // itemsize for s in array.strides],
-                           data_type=dtypes.of_array(array, arg=name or "array"), name=name, uid=uid)
+                           data_type=dtypes.of_array(array, arg=name or "array"), name=name, uid=uid,
+                           alignment=align)
 
     def _op(self, op: str, inputs, params=(), name: str | None = None, uid: int | None = None,
             out_name: str | None = None) -> Tensor:
@@ -235,7 +244,9 @@ class Graph:
         self._require("fused")
         self.candidates = []
         for group in self.groups:
-            base = self._plan(group, [self._operand(t) for t in group.inputs]).spec
+            out = group.output
+            base = self._plan(group, [self._operand(t) for t in group.inputs],
+                              out_align=16 if out.is_virtual else out.alignment).spec
             self.candidates.append(list(dict.fromkeys([base] + pointwise.candidates(base))))
         self._state = "planned"
         return self
@@ -365,6 +376,9 @@ class Graph:
             if a.ndim != len(t.dims):
                 raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
                                       arg=t.name)
+            if t.producer is not None and not a.flags.c_contiguous:
+                raise ValidationError(f"tensor '{t.name}': an output array must be C-contiguous (packed)",
+                                      arg=t.name)
         dims = [a.shape for a in bound]
         offsets, needed = self._workspace_layout(dims)
         if needed and (workspace is None or workspace.nbytes < needed):
@@ -431,10 +445,10 @@ class Graph:
                             f"kernel ({built.uri} -> {got.uri}); the broadcast pattern and the vector width are "
                             "static: rebuild the graph for this shape")
             strides = tuple(s // a.itemsize for s in a.strides)
-            if strides != t.strides or arrays.alignment(a.data.ptr) < 16:
+            if strides != t.strides or arrays.alignment(a.data.ptr) < t.alignment:
                 return (f"tensor '{t.name}': strides {list(strides)} / address alignment "
-                        f"{arrays.alignment(a.data.ptr)} differ from the built {list(t.strides)} / 16 and change "
-                        f"the kernel ({built.uri} -> {got.uri}); rebuild the graph for these arrays")
+                        f"{arrays.alignment(a.data.ptr)} differ from the built {list(t.strides)} / {t.alignment} "
+                        f"and change the kernel ({built.uri} -> {got.uri}); rebuild the graph for these arrays")
         return f"the kernel changes ({built.uri} -> {got.uri}); rebuild the graph for these arrays"
 
     def _shapes(self, io_dims) -> dict[int, tuple]:
@@ -505,7 +519,9 @@ class Graph:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _operand(self, t: Tensor) -> pointwise.Operand:
-        return pointwise.Operand(t.data_type, t.dims, t.strides if not t.is_virtual else contiguous_strides(t.dims))
+        if t.is_virtual:  # materialized in the workspace: packed and 256-byte aligned
+            return pointwise.Operand(t.data_type, t.dims, contiguous_strides(t.dims))
+        return pointwise.Operand(t.data_type, t.dims, t.strides, t.alignment)
 
     def _arch(self, device: int | None = None) -> str:
         return self.arch if self.arch is not None else compiler.device_arch(device)

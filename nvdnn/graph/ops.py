@@ -38,4 +38,7 @@ SCHEMAS: dict[str, OpSchema] = {s.name: s for s in (
     _pw("add", "add", 2, ref.add), _pw("sub", "sub", 2, ref.sub), _pw("mul", "mul", 2, ref.mul),
     _pw("div", "div", 2, ref.div), _pw("maximum", "max", 2, ref.maximum), _pw("minimum", "min", 2, ref.minimum),
     _pw("power", "pow", 2, ref.power),
+    # reversed operands (b op a): scalar-first calls of the functional API, e.g. sub(1.0, x)
+    _pw("rsub", "rsub", 2, lambda a, b: ref.sub(b, a)), _pw("rdiv", "rdiv", 2, lambda a, b: ref.div(b, a)),
+    _pw("rpow", "rpow", 2, lambda a, b: ref.power(b, a)),
 )}

@@ -26,12 +26,14 @@ class Tensor:
     caller; ``set_output(True)`` makes one a result that ``execute`` writes to.
     """
 
-    __slots__ = ("graph", "uid", "name", "dims", "strides", "data_type", "is_virtual", "producer")
+    __slots__ = ("graph", "uid", "name", "dims", "strides", "data_type", "is_virtual", "alignment", "producer")
 
-    def __init__(self, graph, uid: int, name: str, dims, strides, data_type: str, is_virtual: bool):
+    def __init__(self, graph, uid: int, name: str, dims, strides, data_type: str, is_virtual: bool,
+                 alignment: int = 16):
         self.graph, self.uid, self.name = graph, uid, name
         self.dims, self.strides = tuple(dims), tuple(strides)
         self.data_type, self.is_virtual = data_type, is_virtual
+        self.alignment = alignment  # bytes the arrays' addresses are a multiple of (16 allows 16-byte loads)
         self.producer = None
 
     def set_output(self, is_output: bool = True) -> "Tensor":
@@ -43,6 +45,12 @@ class Tensor:
     def set_data_type(self, data_type) -> "Tensor":
         from ..dtypes import dtype
         self.data_type = dtype(data_type, arg=f"tensor '{self.name}'").name
+        return self
+
+    def set_alignment(self, alignment: int) -> "Tensor":
+        if alignment not in (1, 2, 4, 8, 16):
+            raise ValueError(f"tensor '{self.name}': alignment {alignment!r} is not 1, 2, 4, 8 or 16")
+        self.alignment = alignment
         return self
 
     def set_name(self, name: str) -> "Tensor":
