@@ -57,7 +57,7 @@ def _graph_for(steps, xs, names, out_dtype, params, device, out_align) -> Graph:
     spec = pointwise.plan(steps, operands, out_dtype, names=list(names), out_align=out_align).spec
     if spec.n_params != len(params):
         raise ValidationError(f"params: the chain takes {spec.n_params} scalars, got {len(params)}", arg="params")
-    key = (spec, tuple(names))
+    key = (spec, tuple(names), xs[0].ndim)  # the spec is rank-blind once dims coalesce
     graph = _GRAPHS.get(key)
     if graph is None:
         graph = Graph(io_data_type=out_dtype, name="functional", arch=compiler.device_arch(device))

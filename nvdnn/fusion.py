@@ -58,8 +58,18 @@ def _append(group: KernelGroup, node, chain_position: int | None) -> None:
     group.nodes.append(node)
 
 
+MAX_INPUTS = 8  # tensors one pointwise kernel takes
+
+
+def _new_inputs(group: KernelGroup, node, position: int) -> int:
+    return len({t.uid for i, t in enumerate(node.inputs) if i != position} - {t.uid for t in group.inputs})
+
+
 def partition(nodes, consumers) -> list[KernelGroup]:
-    """Kernel groups in execution order. ``consumers[uid]`` lists (node, input position)."""
+    """Kernel groups in execution order. ``consumers[uid]`` lists (node, input position).
+
+    A group runs once its last node can: every other group it reads from ends earlier in node
+    order, so sorting by the last node gives a valid order."""
     groups: list[KernelGroup] = []
     open_chain: dict[int, KernelGroup] = {}  # uid of a group's current output -> group
     for node in nodes:
@@ -68,7 +78,8 @@ def partition(nodes, consumers) -> list[KernelGroup]:
             group = open_chain.get(tensor.uid)
             if (group is not None and tensor.is_virtual and len(consumers[tensor.uid]) == 1
                     and tensor.dims == node.output.dims and SCHEMAS[node.op].family == group.family
-                    and node.inputs.count(tensor) == 1):
+                    and node.inputs.count(tensor) == 1
+                    and len(group.inputs) + _new_inputs(group, node, position) <= MAX_INPUTS):
                 del open_chain[tensor.uid]
                 _append(group, node, position)
                 attached = True
@@ -78,4 +89,5 @@ def partition(nodes, consumers) -> list[KernelGroup]:
             _append(group, node, None)
             groups.append(group)
         open_chain[node.output.uid] = group
-    return groups
+    order = {id(node): i for i, node in enumerate(nodes)}
+    return sorted(groups, key=lambda g: order[id(g.nodes[-1])])

@@ -76,7 +76,7 @@ def read_header(blob: bytes) -> tuple[dict, list[bytes]]:
            f"header length {head_len} does not fit a blob of {len(blob)} bytes")
     try:
         header = json.loads(blob[_FIXED:_FIXED + head_len])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise PlanFormatError(f"not valid JSON ({exc})", field="header") from None
     _field(isinstance(header, dict), "header", "not a JSON object")
     kernels = header.get("kernels")
@@ -116,6 +116,8 @@ def deserialize(blob: bytes):
         device = None  # no GPU: inspect only; execute checks again
     _field(device is None or compiler.arch_number(device) == compiler.arch_number(arch), "arch",
            f"built for {arch}, this GPU is {device}")
+    for i, k in enumerate(header["kernels"]):
+        _field(k["arch"] == arch, f"kernels[{i}].arch", f"{k['arch']!r} differs from the blob's arch {arch!r}")
     _field(isinstance(header.get("nvrtc"), str), "nvrtc", "missing")
     groups = header.get("groups")
     _field(isinstance(groups, list) and groups, "groups", "missing")
@@ -162,5 +164,5 @@ def _rebuild(desc: dict, arch: str):
         graph.tensors[out["uid"]].set_output(not out["virtual"]).set_data_type(out["data_type"]).set_alignment(
             out["alignment"])
     graph.validate().build_operation_graph().create_execution_plans()
-    graph.check_support()
+    graph.check_support(_tuned=False)  # the blob fixes the choice
     return graph

@@ -111,6 +111,11 @@ class Graph:
         """An input (or output) tensor: dims in NCHW order, strides in elements (default: packed);
         ``alignment``: the bytes its arrays' addresses are a multiple of."""
         label = f"tensor '{name}'" if name else "tensor"
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValidationError(f"tensor name: {name!r} is not a non-empty string", arg="name")
+        if not isinstance(dims, (list, tuple)) or (strides is not None and not isinstance(strides, (list, tuple))):
+            raise ValidationError(f"{label}: dims and strides are sequences of ints, got dims={dims!r}, "
+                                  f"strides={strides!r}", arg="dims")
         if alignment not in (1, 2, 4, 8, 16):
             raise ValidationError(f"{label}: alignment {alignment!r} is not 1, 2, 4, 8 or 16", arg="alignment")
         dims = tuple(dims)
@@ -138,18 +143,36 @@ class Graph:
     def _op(self, op: str, inputs, params=(), name: str | None = None, uid: int | None = None,
             out_name: str | None = None) -> Tensor:
         node_name = name or f"{op}{len(self.nodes)}"
+        if not isinstance(node_name, str) or not node_name:
+            raise ValidationError(f"{op}: name {name!r} is not a non-empty string", arg="name")
+        for other in self.nodes:
+            if other.name == node_name:
+                raise ValidationError(f"{op}: node name '{node_name}' is already used (by the node producing "
+                                      f"'{other.output.name}')", arg="name")
+        schema = SCHEMAS[op]
+        expected = len(schema.params) if schema.arity == 1 or len(inputs) == 2 else 1
+        if len(inputs) not in (1, schema.arity) or len(params) != expected:
+            raise ValidationError(f"node '{node_name}' ({op}): takes {schema.arity} tensors and "
+                                  f"{len(schema.params)} parameters (binary ops: a tensor or one scalar), got "
+                                  f"{len(inputs)} tensors and {len(params)} parameters", arg=node_name)
+        for value in params:
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValidationError(f"node '{node_name}' ({op}): parameter {value!r} is not a real number",
+                                      arg=node_name)
         for position, t in enumerate(inputs):
             if not isinstance(t, Tensor) or t.graph is not self:
                 raise ValidationError(f"node '{node_name}' ({op}): input {position} is not a tensor of graph "
                                       f"'{self.name}'", arg=f"input{position}")
-        shape = pointwise.broadcast_shape([t.dims for t in inputs], [f"'{t.name}'" for t in inputs])
+        shape = pointwise.broadcast_shape([t.dims for t in inputs], [t.name for t in inputs])
         if len(set(len(t.dims) for t in inputs)) > 1 or len(shape) != len(inputs[0].dims):
             ranks = ", ".join(f"'{t.name}' {list(t.dims)}" for t in inputs)
             raise ValidationError(f"node '{node_name}' ({op}): inputs must have the same rank, with 1 in "
                                   f"broadcast dims (cuDNN's rule); got {ranks}", arg="dims")
         out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
-                               out_name or f"{node_name}.out", uid, True)
+                               out_name or (name if name and name not in self._names else f"{node_name}.out"), uid,
+                               True)
         node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), out)
+        self._touch()
         out.producer = node
         self.nodes.append(node)
         return out
@@ -159,15 +182,16 @@ class Graph:
         schema = SCHEMAS[op]
 
         def method(self, x, *args, name=None, **kwargs):
+            names = [k for k, _ in schema.params]
+            if len(args) > len(names):
+                raise ValidationError(f"{op}: takes {len(names)} parameters ({names or 'none'}), got "
+                                      f"{len(args)} positional", arg=op)
             values = dict(schema.params)
-            for (key, _), value in zip(schema.params, args):
-                values[key] = value
-            for key, value in kwargs.items():
+            for key, value in list(zip(names, args)) + list(kwargs.items()):
                 if key not in values:
-                    raise ValidationError(f"{op}: unknown parameter '{key}' (takes "
-                                          f"{[k for k, _ in schema.params] or 'none'})", arg=key)
+                    raise ValidationError(f"{op}: unknown parameter '{key}' (takes {names or 'none'})", arg=key)
                 values[key] = math.inf if (op == "relu" and key == "clip" and value is None) else value
-            return self._op(op, (x,), tuple(values[k] for k, _ in schema.params), name)
+            return self._op(op, (x,), tuple(values[k] for k in names), name)
 
         method.__name__ = op
         method.__doc__ = f"{op}(x{''.join(', ' + k for k, _ in schema.params)}) as a graph node."
@@ -175,7 +199,7 @@ class Graph:
 
     def _binary(op):
         def method(self, a, b, name=None):
-            if isinstance(b, (int, float, np.number)):
+            if isinstance(b, (int, float, np.number)) and not isinstance(b, bool):
                 return self._op(op, (a,), (b,), name)
             return self._op(op, (a, b), (), name)
 
@@ -251,7 +275,7 @@ class Graph:
         self._state = "planned"
         return self
 
-    def check_support(self) -> "Graph":
+    def check_support(self, _tuned: bool = True) -> "Graph":
         """Drop candidates this arch cannot run; raise, with each reason, if a group has none left."""
         self._require("planned")
         arch = self._arch()
@@ -266,7 +290,7 @@ class Graph:
                 raise UnsupportedError(f"group {index} ({self.groups[index].describe()}): no candidate runs on "
                                        f"{arch}: {detail}")
             self.candidates[index], _ = kept, self.rejected.append(dropped)
-        self.chosen = [self._tuned_choice(i) for i in range(len(self.groups))]
+        self.chosen = [self._tuned_choice(i) if _tuned else 0 for i in range(len(self.groups))]
         self._state = "supported"
         return self
 
@@ -333,7 +357,13 @@ class Graph:
             return self._execute_numpy(variant_pack)
         if backend != "cuda":
             raise ValidationError(f"backend: {backend!r} is not 'cuda' or 'numpy'", arg="backend")
-        bound = self._bind(variant_pack)
+        try:
+            bound = self._bind(variant_pack)
+        except Exception as exc:
+            if type(exc).__name__ == "CUDARuntimeError":
+                raise DeviceError(f"execute: no usable CUDA device ({exc}); backend='numpy' runs anywhere",
+                                  arg="device") from exc
+            raise
         for launch, pointers in self._launches(bound, workspace):
             args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
             launch.function(launch.grid, launch.block, (*args, *launch.tail), stream=stream)
@@ -428,7 +458,7 @@ class Graph:
         block = spec.block if spec else None
         unroll = spec.unroll if spec else None
         try:
-            return pointwise.plan(group.steps, operands, out.data_type, names=[f"'{t.name}'" for t in group.inputs],
+            return pointwise.plan(group.steps, operands, out.data_type, names=[t.name for t in group.inputs],
                                   out_align=out_align, block=block, unroll=unroll)
         except ValidationError as exc:
             raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
@@ -476,20 +506,28 @@ class Graph:
             self.validate()
         if not self._io:
             self.build_operation_graph()
-        values = {}
+        values, targets = {}, {}
         for key, value in variant_pack.items():
             index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
             if index is None:
                 raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}'",
                                       arg="variant_pack")
-            values[self._io[index].uid] = value
+            t = self._io[index]
+            if not isinstance(value, np.ndarray):
+                raise ValidationError(f"tensor '{t.name}': the numpy backend takes NumPy arrays, got "
+                                      f"{type(value).__name__}", arg=t.name)
+            (targets if t.producer is not None else values)[t.uid] = value
+        for t in self._io:
+            if t.uid not in values and t.uid not in targets:
+                raise ValidationError(f"variant_pack: no array for tensor '{t.name}'", arg=t.name)
         for node in self.nodes:
             args = [np.asarray(values[t.uid], dtype=np.float64) for t in node.inputs]
             values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
-        for t in self._io:
-            if t.producer is not None:
-                target = variant_pack.get(t, variant_pack.get(t.uid, variant_pack.get(t.name)))
-                target[...] = values[t.uid].astype(target.dtype)
+        for uid, target in targets.items():
+            if target.shape != values[uid].shape:
+                raise ValidationError(f"tensor '{self.tensors[uid].name}': array shape {target.shape} should be "
+                                      f"{values[uid].shape}, the broadcast of its inputs", arg=self.tensors[uid].name)
+            target[...] = values[uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
     def serialize(self) -> bytes:
@@ -529,8 +567,8 @@ class Graph:
     def _require(self, state: str):
         if _STATES.index(self._state) < _STATES.index(state):
             steps = ("validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans")
-            raise ValidationError(f"graph '{self.name}' is {self._state}; run {steps[_STATES.index(state) - 1]}() "
-                                  "first (or build())", arg="graph")
+            raise ValidationError(f"graph '{self.name}' is {self._state}; run {steps[_STATES.index(self._state)]}() "
+                                  f"first (or build())", arg="graph")
 
     def _tuned_choice(self, index: int) -> int:
         from ..autotune import tuned_index

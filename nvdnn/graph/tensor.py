@@ -37,6 +37,7 @@ class Tensor:
         self.producer = None
 
     def set_output(self, is_output: bool = True) -> "Tensor":
+        self.graph._touch()
         self.is_virtual = not is_output
         if is_output and self.producer is not None and self.data_type == self.graph.intermediate_data_type:
             self.data_type = self.graph.io_data_type
@@ -44,17 +45,22 @@ class Tensor:
 
     def set_data_type(self, data_type) -> "Tensor":
         from ..dtypes import dtype
+        self.graph._touch()
         self.data_type = dtype(data_type, arg=f"tensor '{self.name}'").name
         return self
 
     def set_alignment(self, alignment: int) -> "Tensor":
+        from ..errors import ValidationError
         if alignment not in (1, 2, 4, 8, 16):
-            raise ValueError(f"tensor '{self.name}': alignment {alignment!r} is not 1, 2, 4, 8 or 16")
+            raise ValidationError(f"tensor '{self.name}': alignment {alignment!r} is not 1, 2, 4, 8 or 16",
+                                  arg=self.name)
+        self.graph._touch()
         self.alignment = alignment
         return self
 
     def set_name(self, name: str) -> "Tensor":
         self.graph._rename(self, name)
+        self.graph._touch()
         return self
 
     def get_dims(self) -> list[int]:
