@@ -73,6 +73,29 @@ def bench_case(name, shape, dtype, activation, layout, torch):
     return row
 
 
+def tune_table(torch):
+    """Every tile candidate of the big workloads, through Graph.autotune (recorded for later builds)."""
+    rows = []
+    cases = [("GELU", "bfloat16", (16384, 4096), None), ("bias+GELU", "bfloat16", (16384, 4096), (1, 4096)),
+             ("bias+ReLU NCHW 1x1 ->256@56", "float32", (32, 256, 56, 56), (1, 256, 1, 1))]
+    for name, dtype, shape, bias_shape in cases:
+        g = nvdnn.Graph(io_data_type=dtype, name=name)
+        x = g.tensor(dims=list(shape), name="x")
+        if bias_shape is None:
+            g.gelu(x, name="y").set_output(True)
+        else:
+            b = g.tensor(dims=list(bias_shape), name="b")
+            (g.gelu if "GELU" in name else g.relu)(g.add(x, b), name="y").set_output(True)
+        g.build()
+        pack = {t.name: _inputs(tuple(t.dims), dtype, 1, 1)[0][0] for t in g._io}
+        moved = sum(a.nbytes for a in pack.values())
+        report = g.autotune(pack)[0]
+        for tile, ms in sorted(report["timings_ms"].items(), key=lambda kv: kv[1]):
+            rows.append({"workload": name, "tile": tile + (" (heuristic)" if tile == report["heuristic"] else ""),
+                         "us": f"{ms * 1e3:.1f}", "TB/s": f"{moved / (ms * 1e-3) / 1e12:.2f}"})
+    return rows
+
+
 def host_overhead(torch):
     """Host time per call when the GPU is not the bottleneck (tiny tensor, no sync)."""
     import cupy
@@ -119,6 +142,8 @@ def main(argv=None):
     copy = measure_copy_tbs()
     print(f"device: {props['name'].decode()}  measured copy {copy:.2f} TB/s (reference ceiling "
           f"{COPY_CEILING_TBS} TB/s)")
+    tuned = tune_table(torch)
+    print(table(tuned, ["workload", "tile", "us", "TB/s"]))
     rows = [bench_case("GELU 16384x4096", (16384, 4096), "bfloat16", "gelu", None, torch),
             bench_case("bias+GELU 16384x4096", (16384, 4096), "bfloat16", "gelu", "NHWC", torch)]
     for name, c, h, w in RESNET:
@@ -138,7 +163,7 @@ def main(argv=None):
     overhead.update(compile_rows)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows,
+            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows, "tuning": tuned,
                        "host_us": overhead}, out, indent=1)
 
 

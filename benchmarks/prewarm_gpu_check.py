@@ -37,6 +37,14 @@ def gpu_test_graphs(arch):
     yield bias_gelu_graph(arch, rows=64), "heuristic"
     yield bias_gelu_graph(arch, rows=1, width=1024), "heuristic"
     yield bias_gelu_graph(arch, rows=16384), "all"
+    for name, dtype, shape, bias in (("gelu", "bfloat16", [16384, 4096], None),
+                                     ("gelu", "bfloat16", [16384, 4096], [1, 4096]),
+                                     ("relu", "float32", [32, 256, 56, 56], [1, 256, 1, 1])):
+        g = nvdnn.Graph(io_data_type=dtype, name=name, arch=arch)  # benchmarks/bench_pointwise.py tune_table
+        x = g.tensor(dims=shape, name="x")
+        value = x if bias is None else g.add(x, g.tensor(dims=bias, name="b"))
+        getattr(g, name)(value, name="y").set_output(True)
+        yield g, "all"
 
 
 def main():

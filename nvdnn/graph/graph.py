@@ -432,7 +432,7 @@ class Graph:
                 raise ValidationError(f"tensor '{result.name}': array shape {bound[self._slot[result]].shape} "
                                       f"should be {shapes[result.uid]}, the broadcast of its inputs", arg=result.name)
             align = 16 if result.is_virtual else arrays.alignment(bound[self._slot[result]].data.ptr)
-            launch = self._plan(group, operands, spec, align)
+            launch = self._plan(group, operands, spec, align, runtime.sm_count(device))
             if launch.spec != spec:
                 raise ValidationError(self._static_change(group, bound, launch.spec, spec), arg="dims")
             binary = self.binaries.get(spec)
@@ -453,13 +453,11 @@ class Graph:
             out.append((_Launch(fn, launch.grid, launch.block, tuple(slots), tail), pointers))
         return out
 
-    def _plan(self, group, operands, spec=None, out_align=16):
+    def _plan(self, group, operands, spec=None, out_align=16, sm_count=132):
         out = group.output
-        block = spec.block if spec else None
-        unroll = spec.unroll if spec else None
         try:
             return pointwise.plan(group.steps, operands, out.data_type, names=[t.name for t in group.inputs],
-                                  out_align=out_align, block=block, unroll=unroll)
+                                  out_align=out_align, tile=spec, sm_count=sm_count)
         except ValidationError as exc:
             raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
                                   arg=exc.arg) from None

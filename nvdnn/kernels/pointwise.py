@@ -50,6 +50,8 @@ MAX_DIMS = 8
 BLOCKS = (64, 128, 256, 512, 1024)
 UNROLLS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8, 16)
+MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
+FAST_OPS = ("gelu",)  # ops with a cheaper form for 16-bit outputs (see templates/common/math.cuh)
 _RHS = re.compile(r"(?:|p|x(0|[1-9][0-9]?))\Z")
 _INT32_LIMIT = 2 ** 31 - 1
 
@@ -69,6 +71,8 @@ class PointwiseSpec(KernelSpec):
     index: str                   # "int32" | "int64"
     block: int = 256
     unroll: int = 4
+    min_blocks: int = 2          # __launch_bounds__ occupancy hint: registers <= 64K / (block * min_blocks)
+    pipeline: bool = False       # persistent grid; next tile's loads in flight while this one computes
 
     def validate(self) -> None:
         if not self.steps:
@@ -111,6 +115,11 @@ class PointwiseSpec(KernelSpec):
         one_of(self.index, ("int32", "int64"), "index")
         one_of(self.block, BLOCKS, "block")
         one_of(self.unroll, UNROLLS, "unroll")
+        one_of(self.min_blocks, MIN_BLOCKS, "min_blocks")
+        one_of(self.pipeline, (False, True), "pipeline")
+        if self.block * self.min_blocks > 2048:
+            raise ValidationError(f"min_blocks: {self.min_blocks} blocks of {self.block} threads exceed 2048 "
+                                  "threads per multiprocessor", arg="min_blocks")
         widths = [dtypes.BY_NAME[self.output].itemsize] + [
             dtypes.BY_NAME[d].itemsize for d, a in zip(self.inputs, self.access) if a in ("lin", "vec")]
         if self.vec * max(widths) > 16:
@@ -126,7 +135,8 @@ class PointwiseSpec(KernelSpec):
         ins = ",".join(f"{dtypes.BY_NAME[d].short}:{a}" + (f"[{z}]" if z else "")
                        for d, a, z in zip(self.inputs, self.access, self.zero))
         return (f"pointwise/{chain}/in={ins}/out={dtypes.BY_NAME[self.output].short}"
-                f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}")
+                f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}m{self.min_blocks}"
+                + (".pipe" if self.pipeline else ""))
 
     def stride_args(self) -> list[tuple[int, int]]:
         """(input, dim) of every stride the kernel takes, in argument order."""
@@ -165,6 +175,8 @@ class PointwiseSpec(KernelSpec):
         return {
             "index_t": index_t, "out_ctype": dtypes.BY_NAME[self.output].ctype,
             "vec": self.vec, "block": self.block, "unroll": self.unroll, "ndim": self.ndim,
+            "min_blocks": self.min_blocks, "pipeline": self.pipeline,
+            "fast_math": dtypes.BY_NAME[self.output].itemsize < 4, "fast_ops": FAST_OPS,
             "inputs": inputs, "steps": steps,
             "chain_params": [f"float a{i}" for i in range(len(self.inputs))] + params,
             "kernel_params": ["out_t* __restrict__ y"]
@@ -228,13 +240,14 @@ def _coalesce(shape, stride_sets):
     return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
 
 
-def _heuristic(nvec: int) -> tuple[int, int]:
-    """(block, unroll): four 16-byte loads in flight per thread once there is enough work."""
-    return (256, 4) if nvec >= (1 << 20) else (256, 1)
+def _heuristic(nvec: int) -> tuple[int, int, int, bool]:
+    """(block, unroll, min_blocks, pipeline): four 16-byte loads in flight per thread once there
+    is enough work."""
+    return (256, 4, 2, False) if nvec >= (1 << 20) else (256, 1, 2, False)
 
 
 def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None = None,
-         out_align: int = 16, block: int | None = None, unroll: int | None = None) -> Launch:
+         out_align: int = 16, tile: PointwiseSpec | None = None, sm_count: int = 132) -> Launch:
     """Choose the spec and the launch for a chain over concrete shapes, strides and alignments."""
     names = names or [f"x{i}" for i in range(len(operands))]
     for name, op in zip(names, operands):
@@ -277,19 +290,20 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
             and all(all(s % vec == 0 for s in st[:-1]) for st, a in zip(in_strides, access) if a == "vec")):
         vec //= 2
     max_offset = max([n] + [sum((sz - 1) * abs(s) for sz, s in zip(sizes, st)) for st in in_strides])
-    base_block, base_unroll = _heuristic(n // vec)
-    block, unroll = block or base_block, unroll or base_unroll
+    block, unroll, min_blocks, pipeline = (_heuristic(n // vec) if tile is None else
+                                           (tile.block, tile.unroll, tile.min_blocks, tile.pipeline))
     index = "int64" if max_offset + block * unroll * vec >= _INT32_LIMIT else "int32"
     spec = PointwiseSpec(steps=tuple(steps), inputs=tuple(op.dtype for op in operands),
                          access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
-                         index=index, block=block, unroll=unroll)
+                         index=index, block=block, unroll=unroll, min_blocks=min_blocks, pipeline=pipeline)
     stride_args = [in_strides[i][d] for i, d in spec.stride_args()]
-    return Launch(spec, grid_for(spec, n), (block, 1, 1), tuple([n] + sizes + stride_args), n)
+    return Launch(spec, grid_for(spec, n, sm_count), (block, 1, 1), tuple([n] + sizes + stride_args), n)
 
 
-def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:
-    per_block = spec.block * spec.unroll
-    return (max(1, -(-(n // spec.vec) // per_block)), 1, 1)
+def grid_for(spec: PointwiseSpec, n: int, sm_count: int = 132) -> tuple[int, int, int]:
+    """One block per tile, or for a persistent kernel as many as stay resident."""
+    tiles = max(1, -(-(n // spec.vec) // (spec.block * spec.unroll)))
+    return (min(tiles, sm_count * spec.min_blocks) if spec.pipeline else tiles, 1, 1)
 
 
 def unsupported_reason(spec: PointwiseSpec, arch: str) -> str | None:
@@ -300,9 +314,16 @@ def unsupported_reason(spec: PointwiseSpec, arch: str) -> str | None:
     return None
 
 
+# (block, unroll, min_blocks, pipeline): one-shot tiles of several sizes and occupancies, and
+# persistent pipelined loops that keep the next tile's loads in flight during compute.
+TILES = ((256, 4, 2, False), (256, 2, 4, False), (128, 4, 4, False), (512, 2, 2, False), (256, 1, 8, False),
+         (256, 8, 1, False), (256, 2, 4, True), (256, 4, 2, True), (128, 2, 8, True), (256, 1, 4, True),
+         (128, 1, 8, True))
+
+
 def candidates(spec: PointwiseSpec) -> list[PointwiseSpec]:
-    """Tile variants of one spec, for autotuning: same code shape, other block / unroll."""
-    return [dataclasses.replace(spec, block=b, unroll=u) for b in (128, 256, 512) for u in (1, 2, 4)]
+    """Tile variants of one spec, for autotuning: same chain and access, other loop shape."""
+    return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, pipeline=p) for b, u, m, p in TILES]
 
 
 # -- presets: what `nvdnn warm --preset pointwise` compiles ---------------------------------------
