@@ -27,7 +27,11 @@ def to_device(x, name: str):
         return cp.asarray(x), _back_to(x)
     if hasattr(x, "__dlpack__"):
         try:
-            return cp.from_dlpack(x), _back_to(x)
+            y = cp.from_dlpack(x)
+            if y.dtype.kind == "V" and "bfloat16" in str(getattr(x, "dtype", "")):
+                import ml_dtypes  # CuPy takes DLPack bfloat16 as 2-byte void
+                y = y.view(ml_dtypes.bfloat16)
+            return y, _back_to(x)
         except Exception as exc:  # a CPU tensor, an unsupported dtype ...
             raise DeviceError(f"{name}: cannot view {type(x).__name__} on the GPU through DLPack ({exc})",
                               arg=name) from exc

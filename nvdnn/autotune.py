@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .cache import _atomic_write, default_folder
 
-TILE_FIELDS = ("block", "unroll", "min_blocks", "pipeline")
+TILE_FIELDS = ("block", "unroll", "min_blocks", "l2_prefetch")
 
 
 def _family_key(spec) -> str:

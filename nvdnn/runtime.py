@@ -1,7 +1,6 @@
 """Load cubins into CuPy modules (once per device) and launch them without host synchronization."""
 from __future__ import annotations
 
-import functools
 import threading
 
 from .cache import KernelBinary
@@ -25,13 +24,6 @@ def function(binary: KernelBinary, device_id: int):
             _MODULES.append(module)
             found = _FUNCTIONS[(binary.key, device_id)] = module.get_function(binary.entry)
     return found
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    """Multiprocessors of a device: persistent kernels size their grid by it."""
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def loaded_count() -> int:

@@ -432,7 +432,7 @@ class Graph:
                 raise ValidationError(f"tensor '{result.name}': array shape {bound[self._slot[result]].shape} "
                                       f"should be {shapes[result.uid]}, the broadcast of its inputs", arg=result.name)
             align = 16 if result.is_virtual else arrays.alignment(bound[self._slot[result]].data.ptr)
-            launch = self._plan(group, operands, spec, align, runtime.sm_count(device))
+            launch = self._plan(group, operands, spec, align)
             if launch.spec != spec:
                 raise ValidationError(self._static_change(group, bound, launch.spec, spec), arg="dims")
             binary = self.binaries.get(spec)
@@ -453,11 +453,12 @@ class Graph:
             out.append((_Launch(fn, launch.grid, launch.block, tuple(slots), tail), pointers))
         return out
 
-    def _plan(self, group, operands, spec=None, out_align=16, sm_count=132):
+    def _plan(self, group, operands, spec=None, out_align=16):
         out = group.output
+        pattern = pointwise.Pattern.of(out.dims, [t.dims for t in group.inputs])
         try:
             return pointwise.plan(group.steps, operands, out.data_type, names=[t.name for t in group.inputs],
-                                  out_align=out_align, tile=spec, sm_count=sm_count)
+                                  out_align=out_align, tile=spec, pattern=pattern)
         except ValidationError as exc:
             raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
                                   arg=exc.arg) from None
@@ -481,10 +482,10 @@ class Graph:
 
     def _shapes(self, io_dims) -> dict[int, tuple]:
         """Dims of every tensor for the given io dims (virtual ones by broadcasting)."""
-        shapes = {t.uid: tuple(d) for t, d in zip(self._io, io_dims)}
+        shapes = {t.uid: tuple(d) for t, d in zip(self._io, io_dims) if t.producer is None}
         for node in self.nodes:
-            shapes[node.output.uid] = shapes.get(node.output.uid) if not node.output.is_virtual else \
-                pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs], [t.name for t in node.inputs])
+            shapes[node.output.uid] = pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs],
+                                                                [t.name for t in node.inputs])
         return shapes
 
     def _workspace_layout(self, io_dims) -> tuple[dict[int, int], int]:

@@ -72,7 +72,7 @@ class PointwiseSpec(KernelSpec):
     block: int = 256
     unroll: int = 4
     min_blocks: int = 2          # __launch_bounds__ occupancy hint: registers <= 64K / (block * min_blocks)
-    pipeline: bool = False       # persistent grid; next tile's loads in flight while this one computes
+    l2_prefetch: bool = False    # streamed operands: 16-byte loads that skip L1 and fetch 256 B into L2
 
     def validate(self) -> None:
         if not self.steps:
@@ -116,7 +116,7 @@ class PointwiseSpec(KernelSpec):
         one_of(self.block, BLOCKS, "block")
         one_of(self.unroll, UNROLLS, "unroll")
         one_of(self.min_blocks, MIN_BLOCKS, "min_blocks")
-        one_of(self.pipeline, (False, True), "pipeline")
+        one_of(self.l2_prefetch, (False, True), "l2_prefetch")
         if self.block * self.min_blocks > 2048:
             raise ValidationError(f"min_blocks: {self.min_blocks} blocks of {self.block} threads exceed 2048 "
                                   "threads per multiprocessor", arg="min_blocks")
@@ -136,7 +136,7 @@ class PointwiseSpec(KernelSpec):
                        for d, a, z in zip(self.inputs, self.access, self.zero))
         return (f"pointwise/{chain}/in={ins}/out={dtypes.BY_NAME[self.output].short}"
                 f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}m{self.min_blocks}"
-                + (".pipe" if self.pipeline else ""))
+                + (".l2pf" if self.l2_prefetch else ""))
 
     def stride_args(self) -> list[tuple[int, int]]:
         """(input, dim) of every stride the kernel takes, in argument order."""
@@ -158,7 +158,8 @@ class PointwiseSpec(KernelSpec):
             terms = [f"c{d} * s{i}_{d}" for (j, d) in strides if j == i]
             if access == "vec":
                 terms.append(f"c{self.ndim - 1}")
-            inputs.append({"i": i, "ctype": ctypes[i], "access": access,
+            streamed = self.l2_prefetch and access in ("lin", "vec") and "1" not in zero
+            inputs.append({"i": i, "ctype": ctypes[i], "access": access, "load": "_stream" if streamed else "",
                            "offset": " + ".join(terms) or "0",
                            "last_stride": f"s{i}_{self.ndim - 1}" if access == "gat" else ""})
         slot = iter(range(self.n_params))
@@ -175,7 +176,7 @@ class PointwiseSpec(KernelSpec):
         return {
             "index_t": index_t, "out_ctype": dtypes.BY_NAME[self.output].ctype,
             "vec": self.vec, "block": self.block, "unroll": self.unroll, "ndim": self.ndim,
-            "min_blocks": self.min_blocks, "pipeline": self.pipeline,
+            "min_blocks": self.min_blocks,
             "fast_math": dtypes.BY_NAME[self.output].itemsize < 4, "fast_ops": FAST_OPS,
             "inputs": inputs, "steps": steps,
             "chain_params": [f"float a{i}" for i in range(len(self.inputs))] + params,
@@ -227,28 +228,50 @@ def broadcast_shape(shapes: list[tuple[int, ...]], names: list[str]) -> tuple[in
     return tuple(out)
 
 
-def _coalesce(shape, stride_sets):
-    """Drop size-1 dims and merge dims every operand walks contiguously; outer dim first."""
-    dims = [(size, [s[axis] for s in stride_sets]) for axis, size in enumerate(shape) if size != 1]
-    merged: list[tuple[int, list[int]]] = []
+class Pattern(NamedTuple):
+    """The broadcast pattern a graph declared, so executes at other sizes keep its kernel: axes
+    that stay dims even at size 1, and per operand the axes it is broadcast along."""
+    keep: frozenset
+    broadcast: tuple
+
+    @staticmethod
+    def of(out_dims, operand_dims) -> "Pattern":
+        keep = frozenset(a for a, size in enumerate(out_dims) if size > 1)
+        return Pattern(keep, tuple(frozenset(a for a in keep if dims[a] == 1) for dims in operand_dims))
+
+
+def _coalesce(shape, stride_sets, keep=frozenset()):
+    """Drop size-1 dims (unless kept) and merge dims every operand walks contiguously; outer dim
+    first; ``stride_sets[0]`` is the output's. A stride of None (a size-1 axis of a kept dim) fits
+    whatever its neighbours need."""
+    dims = [(size, [s[axis] for s in stride_sets]) for axis, size in enumerate(shape) if size != 1 or axis in keep]
+    merged: list[tuple[int, list]] = []
     for size, strides in reversed(dims):
-        if merged and all(st == ms * merged[-1][0] for st, ms in zip(strides, merged[-1][1])):
-            merged[-1] = (merged[-1][0] * size, merged[-1][1])
+        if merged and all(st is None or ms is None or st == ms * merged[-1][0]
+                          for st, ms in zip(strides, merged[-1][1])):
+            group_size, group_strides = merged[-1]
+            merged[-1] = (group_size * size, [st if ms is None else ms for st, ms in zip(strides, group_strides)])
         else:
-            merged.append((size, strides))
+            merged.append((size, list(strides)))
     merged.reverse()
-    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(stride_sets))]
+    # An unresolved wildcard (a dim of size 1) takes the output's stride: any value is right
+    # there, and this one keeps an operand laid out like the output linear.
+    return [m[0] for m in merged], [[m[1][0] if m[1][k] is None else m[1][k] for m in merged]
+                                    for k in range(len(stride_sets))]
 
 
 def _heuristic(nvec: int) -> tuple[int, int, int, bool]:
-    """(block, unroll, min_blocks, pipeline): four 16-byte loads in flight per thread once there
-    is enough work."""
-    return (256, 4, 2, False) if nvec >= (1 << 20) else (256, 1, 2, False)
+    """(block, unroll, min_blocks, l2_prefetch). Measured on an H200 (benchmarks/RESULTS.md): two
+    vectors per thread at up to 64 registers beat four at 128 on GELU by 13%, and equal them on
+    light chains; small tensors take one vector per thread for more blocks."""
+    return (256, 2, 4, False) if nvec >= (1 << 20) else (256, 1, 4, False)
 
 
 def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None = None,
-         out_align: int = 16, tile: PointwiseSpec | None = None, sm_count: int = 132) -> Launch:
-    """Choose the spec and the launch for a chain over concrete shapes, strides and alignments."""
+         out_align: int = 16, tile: PointwiseSpec | None = None, pattern: Pattern | None = None) -> Launch:
+    """Choose the spec and the launch for a chain over concrete shapes, strides and alignments.
+    With a declared ``pattern`` (same rank as every operand), a dim of size 1 now keeps the
+    structure it had when declared, so the kernel stays the same."""
     names = names or [f"x{i}" for i in range(len(operands))]
     for name, op in zip(names, operands):
         if op.dtype not in DTYPES:
@@ -259,14 +282,18 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
     shape = broadcast_shape([op.shape for op in operands], names)
     n = math.prod(shape)
     expanded = []
-    for op in operands:
+    for i, op in enumerate(operands):
         lead = len(shape) - len(op.shape)
-        expanded.append([0] * lead + [0 if size == 1 else st for size, st in zip(op.shape, op.strides)])
+        strides = [0] * lead + [0 if size == 1 else st for size, st in zip(op.shape, op.strides)]
+        if pattern is not None:  # size 1 now: broadcast if declared so, else any stride will do
+            strides = [0 if a in pattern.broadcast[i] else None if shape[a] == 1 else st
+                       for a, st in enumerate(strides)]
+        expanded.append(strides)
     contiguous, acc = [], 1
     for size in reversed(shape):
         contiguous.insert(0, acc)
         acc *= size
-    sizes, strides = _coalesce(shape, [contiguous] + expanded)
+    sizes, strides = _coalesce(shape, [contiguous] + expanded, pattern.keep if pattern else frozenset())
     out_strides, in_strides = strides[0], strides[1:]
     linear = [st == out_strides for st in in_strides]
     if all(linear):
@@ -290,20 +317,20 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
             and all(all(s % vec == 0 for s in st[:-1]) for st, a in zip(in_strides, access) if a == "vec")):
         vec //= 2
     max_offset = max([n] + [sum((sz - 1) * abs(s) for sz, s in zip(sizes, st)) for st in in_strides])
-    block, unroll, min_blocks, pipeline = (_heuristic(n // vec) if tile is None else
-                                           (tile.block, tile.unroll, tile.min_blocks, tile.pipeline))
+    block, unroll, min_blocks, l2_prefetch = (_heuristic(n // vec) if tile is None else
+                                              (tile.block, tile.unroll, tile.min_blocks, tile.l2_prefetch))
     index = "int64" if max_offset + block * unroll * vec >= _INT32_LIMIT else "int32"
     spec = PointwiseSpec(steps=tuple(steps), inputs=tuple(op.dtype for op in operands),
                          access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
-                         index=index, block=block, unroll=unroll, min_blocks=min_blocks, pipeline=pipeline)
+                         index=index, block=block, unroll=unroll, min_blocks=min_blocks,
+                         l2_prefetch=l2_prefetch)
     stride_args = [in_strides[i][d] for i, d in spec.stride_args()]
-    return Launch(spec, grid_for(spec, n, sm_count), (block, 1, 1), tuple([n] + sizes + stride_args), n)
+    return Launch(spec, grid_for(spec, n), (block, 1, 1), tuple([n] + sizes + stride_args), n)
 
 
-def grid_for(spec: PointwiseSpec, n: int, sm_count: int = 132) -> tuple[int, int, int]:
-    """One block per tile, or for a persistent kernel as many as stay resident."""
-    tiles = max(1, -(-(n // spec.vec) // (spec.block * spec.unroll)))
-    return (min(tiles, sm_count * spec.min_blocks) if spec.pipeline else tiles, 1, 1)
+def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:
+    """One block per tile of block * unroll vectors."""
+    return (max(1, -(-(n // spec.vec) // (spec.block * spec.unroll))), 1, 1)
 
 
 def unsupported_reason(spec: PointwiseSpec, arch: str) -> str | None:
@@ -314,16 +341,16 @@ def unsupported_reason(spec: PointwiseSpec, arch: str) -> str | None:
     return None
 
 
-# (block, unroll, min_blocks, pipeline): one-shot tiles of several sizes and occupancies, and
-# persistent pipelined loops that keep the next tile's loads in flight during compute.
-TILES = ((256, 4, 2, False), (256, 2, 4, False), (128, 4, 4, False), (512, 2, 2, False), (256, 1, 8, False),
-         (256, 8, 1, False), (256, 2, 4, True), (256, 4, 2, True), (128, 2, 8, True), (256, 1, 4, True),
-         (128, 1, 8, True))
+# (block, unroll, min_blocks, l2_prefetch): tiles of several sizes and occupancies, with and
+# without the 256-byte L2 prefetch. (A persistent, software-pipelined loop was measured too and
+# lost on every workload: benchmarks/RESULTS.md.)
+TILES = tuple((b, u, m, p) for p in (False, True)
+              for b, u, m in ((256, 2, 4), (256, 4, 2), (128, 4, 4), (512, 2, 2), (256, 1, 8), (512, 1, 4)))
 
 
 def candidates(spec: PointwiseSpec) -> list[PointwiseSpec]:
     """Tile variants of one spec, for autotuning: same chain and access, other loop shape."""
-    return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, pipeline=p) for b, u, m, p in TILES]
+    return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, l2_prefetch=p) for b, u, m, p in TILES]
 
 
 # -- presets: what `nvdnn warm --preset pointwise` compiles ---------------------------------------
