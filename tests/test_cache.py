@@ -565,7 +565,7 @@ def test_dump_source_writes_the_rendered_source(cache_dir, spec, tmp_path, monke
     assert [f.name for f in files] == [f"pointwise-{spec.digest}-{binary.key[:12]}.cu"]
     text = files[0].read_text()
     assert text == codegen.render(spec)
-    assert spec.uri in text and f"void __launch_bounds__(BLOCK, 2) {spec.entry}(" in text
+    assert spec.uri in text and f"void __launch_bounds__(BLOCK, {spec.min_blocks}) {spec.entry}(" in text
 
 
 # -- compile errors ---------------------------------------------------------------------------------
