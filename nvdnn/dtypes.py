@@ -81,7 +81,13 @@ def dtype(value, *, arg: str = "dtype") -> DType:
     raise DTypeError(f"{arg}: unknown data type {value!r}; known: {known}", arg=arg)
 
 
+_SEEN: dict = {}  # np.dtype -> DType: np.dtype.name is a slow Python property
+
+
 def of_array(array, *, arg: str) -> DType:
     """The DType of an array's elements (uint8 is not fp8: declare fp8 explicitly)."""
-    found = _BY_NUMPY.get(array.dtype.name)
-    return found if found is not None else dtype(array.dtype, arg=arg)
+    found = _SEEN.get(array.dtype)
+    if found is None:
+        found = _BY_NUMPY.get(array.dtype.name) or dtype(array.dtype, arg=arg)
+        _SEEN[array.dtype] = found
+    return found

@@ -119,19 +119,16 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
     if out is not None:
         out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
     device = cp.cuda.runtime.getDevice()
-    out_dtype = _result_dtype(xs) if dtype is None else dtypes.dtype(dtype).name
-    if out_dev is not None:  # out= sets the result type (cast in the epilogue) unless dtype= says otherwise
-        given = dtypes.of_array(out_dev, arg="out").name
-        if given not in pointwise.DTYPES or (dtype is not None and given != out_dtype):
-            raise DTypeError(f"out: data type {given} " + (f"is not the requested {out_dtype}" if dtype is not None
-                             else f"is not one of {', '.join(pointwise.DTYPES)}"), arg="out")
-        out_dtype = given
     if type(steps) is not tuple:
         steps = tuple(tuple(step) for step in steps)
-    key = (steps, out_dtype, device, len(params), None if out_dev is None else _signature(out_dev),
+    key = (steps, dtype, device, len(params), None if out_dev is None else _signature(out_dev),
            *[_signature(x) for x in xs])
-    prep = _PREPARED.get(key)
+    try:
+        prep = _PREPARED.get(key)
+    except TypeError:  # an unhashable dtype= argument
+        raise DTypeError(f"dtype: {dtype!r} is not a data type", arg="dtype") from None
     if prep is None:
+        out_dtype = _out_dtype(xs, out_dev, dtype)
         if any(0 in x.shape for x in xs):  # nothing to compute; shapes still have to agree
             return _empty_result(xs, names, out, out_dev, out_dtype, back)
         prep = _PREPARED[key] = _prepare(steps, xs, tuple(names), out_dev, out_dtype, device, params)
@@ -144,6 +141,18 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
             out[...] = y.get()
         return out
     return back(y) if back is not None else y
+
+
+def _out_dtype(xs, out, dtype) -> str:
+    """The result type: ``dtype``, else ``out``'s (a cast in the epilogue), else the inputs'."""
+    want = _result_dtype(xs) if dtype is None else dtypes.dtype(dtype).name
+    if out is None:
+        return want
+    given = dtypes.of_array(out, arg="out").name
+    if given not in pointwise.DTYPES or (dtype is not None and given != want):
+        raise DTypeError(f"out: data type {given} " + (f"is not the requested {want}" if dtype is not None
+                         else f"is not one of {', '.join(pointwise.DTYPES)}"), arg="out")
+    return given
 
 
 def _empty_result(xs, names, out, out_dev, out_dtype, back):
