@@ -18,3 +18,9 @@ python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.
 python3 benchmarks/bench_pointwise.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 python3 benchmarks/bench_graph.py --json "$out/bench_graph.json" 2>&1 | tee "$out/bench_graph.log"
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
+if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters for the GELU kernels
+  ncu --clock-control none --kernel-name nvdnn_pointwise --launch-skip 6 --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      python3 benchmarks/profile_gelu.py > "$out/ncu_gelu.txt" 2>&1
+  grep -E "nvdnn_pointwise|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall" "$out/ncu_gelu.txt" | head -40
+fi
