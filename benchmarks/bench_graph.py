@@ -14,8 +14,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nvdnn  # noqa: E402
+from common import host_us_per_call  # noqa: E402
 from tests.graphs import bias_gelu_graph, three_kernel_graph  # noqa: E402
 
 
@@ -28,19 +30,6 @@ def _arrays(g):
     return out
 
 
-def _per_call_us(fn, calls=20000):
-    import cupy
-    for _ in range(200):
-        fn()
-    cupy.cuda.Device().synchronize()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - started
-    cupy.cuda.Device().synchronize()
-    return elapsed / calls * 1e6
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json")
@@ -51,8 +40,8 @@ def main(argv=None):
     g.build()
     pack = _arrays(g)
     by_tensor = {g._io[g._slot[k]]: v for k, v in pack.items()}
-    rows["execute(), 1-kernel graph, names as keys (us)"] = _per_call_us(lambda: g.execute(pack))
-    rows["execute(), 1-kernel graph, tensors as keys (us)"] = _per_call_us(lambda: g.execute(by_tensor))
+    rows["execute(), 1-kernel graph, names as keys (us)"] = host_us_per_call(lambda: g.execute(pack))
+    rows["execute(), 1-kernel graph, tensors as keys (us)"] = host_us_per_call(lambda: g.execute(by_tensor))
 
     g3 = three_kernel_graph(rows=1, width=1024)
     g3.build()

@@ -10,12 +10,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+from common import (COPY_CEILING_TBS, host_us_per_call, measure_copy_tbs, sets_for, table, time_ms,  # noqa: E402
+                    try_torch)
 from compile_times import compile_and_disk_times, memory_hit_us  # noqa: E402
 
 import nvdnn  # noqa: E402
@@ -101,18 +101,7 @@ def host_overhead(torch):
     import cupy
     x = cupy.asarray(np.random.default_rng(0).standard_normal(1024).astype(np.float32))
     y = cupy.empty_like(x)
-    calls = 20000
-
-    def per_call(fn):
-        for _ in range(200):
-            fn()
-        cupy.cuda.Device().synchronize()
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - started
-        cupy.cuda.Device().synchronize()
-        return elapsed / calls * 1e6
+    per_call = host_us_per_call
 
     raw = cupy.RawKernel(r'''extern "C" __global__ void k(float* y, const float* x, int n) {
         int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = x[i] > 0 ? x[i] : 0; }''', "k")

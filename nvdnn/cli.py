@@ -26,6 +26,15 @@ EXAMPLES = {
 }
 
 
+def _emit(rows, as_json: bool, line) -> None:
+    """Rows as JSON, or one formatted line each."""
+    if as_json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            print(line(row))
+
+
 class _Progress:
     """A bar with counts and ETA on a terminal; one plain line per kernel otherwise."""
 
@@ -60,11 +69,7 @@ def _cmd_warm(args) -> int:
     cache = KernelCache()
     if args.dry_run:
         rows = [{"uri": s.uri, "arch": a, "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
-        if args.json:
-            print(json.dumps(rows, indent=1))
-        else:
-            for row in rows:
-                print(f"{'cached ' if row['cached'] else 'compile'} {row['arch']:7} {row['uri']}")
+        _emit(rows, args.json, lambda r: f"{'cached ' if r['cached'] else 'compile'} {r['arch']:7} {r['uri']}")
         return 0
     progress = None if args.json else _Progress(sys.stderr)
     report = warming.warm(jobs, cache, workers=args.jobs, progress=progress)
@@ -119,11 +124,7 @@ def _cmd_cache(args) -> int:
             for item in bad:
                 print(f"  {item['file']}: {item['problem']}")
         return 1 if bad and not args.repair else 0
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        for row in rows:
-            print(f"{row['key']} {row['arch']:7} regs={row['registers']:<3} {row['uri']}")
+    _emit(rows, args.json, lambda r: f"{r['key']} {r['arch']:7} regs={r['registers']:<3} {r['uri']}")
     return 0
 
 

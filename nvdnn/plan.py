@@ -101,7 +101,6 @@ def read_header(blob: bytes) -> tuple[dict, list[bytes]]:
 def deserialize(blob: bytes):
     """A built Graph from ``blob``, ready to execute; compiles nothing."""
     from . import __version__
-    from .graph import Graph
     header, images = read_header(blob)
     _field(header.get("nvdnn_version") == __version__, "nvdnn_version",
            f"built by nvdnn {header.get('nvdnn_version')!r}, this is {__version__}")

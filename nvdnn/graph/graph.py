@@ -415,8 +415,7 @@ class Graph:
             have = "none" if workspace is None else f"{workspace.nbytes} bytes"
             raise ValidationError(f"workspace: this execute needs {needed} bytes, got {have} "
                                   "(get_workspace_size() for the built dims)", arg="workspace")
-        arch, out = self._arch(device), []
-        shapes = self._shapes(dims)
+        out, shapes = [], self._shapes(dims)
         for index, group in enumerate(self.groups):
             operands = []
             for t in group.inputs:
