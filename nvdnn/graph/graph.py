@@ -388,7 +388,12 @@ class Graph:
             if index is None:
                 raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}' "
                                       f"(known: {', '.join(t.name for t in self._io)})", arg="variant_pack")
-            bound[index] = value if type(value) is cp.ndarray else arrays.to_device(value, self._io[index].name)[0]
+            if type(value) is not cp.ndarray:
+                if isinstance(value, np.ndarray):  # a copy would lose what execute writes
+                    raise ValidationError(f"tensor '{self._io[index].name}': a NumPy array; execute takes device "
+                                          "arrays (or use backend='numpy')", arg=self._io[index].name)
+                value = arrays.to_device(value, self._io[index].name)[0]
+            bound[index] = value
         for index, value in enumerate(bound):
             if value is None:
                 raise ValidationError(f"variant_pack: no array for tensor '{self._io[index].name}'",
