@@ -1134,9 +1134,10 @@ def test_tensor_names_are_checked_like_set_name(name):
 
 
 @pytest.mark.skipif(gpu_count() > 0, reason="checks the error of a machine without a GPU")
-def test_cuda_execute_without_a_gpu_is_a_device_error():
+def test_cuda_execute_refuses_numpy_arrays_naming_the_tensor():
     g, x, b, y = _bias_act_graph((3, 4))
     g.build()
-    with pytest.raises(nvdnn.errors.DeviceError):
+    with pytest.raises(ValidationError, match="backend='numpy'") as info:
         g.execute({x: np.ones((3, 4), np.float32), b: np.ones((1, 4), np.float32),
                    y: np.zeros((3, 4), np.float32)})
+    assert info.value.arg == x.name
