@@ -1133,7 +1133,6 @@ def test_tensor_names_are_checked_like_set_name(name):
         g.tensor(dims=[2], name=name)
 
 
-@pytest.mark.skipif(gpu_count() > 0, reason="checks the error of a machine without a GPU")
 def test_cuda_execute_refuses_numpy_arrays_naming_the_tensor():
     g, x, b, y = _bias_act_graph((3, 4))
     g.build()
