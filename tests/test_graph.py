@@ -20,7 +20,6 @@ from nvdnn.graph.graph import WORKSPACE_ALIGN
 from nvdnn.graph.ops import SCHEMAS
 from nvdnn.kernels import pointwise
 
-from .gpu import gpu_count
 
 ARCH = "sm_90"
 # Example counts: together well over 1500 random graphs (valid and invalid), in a few seconds.
