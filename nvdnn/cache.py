@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import codegen, compiler, config
-from .errors import CacheMissError, CompileError, NvdnnWarning
+from .errors import CacheError, CacheMissError, CompileError, NvdnnWarning
 from .spec import KernelSpec
 
 SCHEMA = 1
@@ -253,6 +253,58 @@ class KernelCache:
                 "bad": sum(1 for _, b, _ in files if b is None),
                 "bytes": sum(p.stat().st_size for p, _, _ in files if p.exists()),
                 "writable": self._writable, "nvrtc": compiler.nvrtc_version()}
+
+    # -- bundles: a folder's entries as one verified archive -------------------------------------
+    def export_bundle(self, path: str | os.PathLike) -> dict:
+        """Write every valid entry into one tar archive with a manifest (key, uri, arch, NVRTC
+        version, sha256 of each entry file)."""
+        import io
+        import tarfile
+        entries = [(p, b) for p, b, _ in self.entries() if b is not None]
+        manifest = {"schema": SCHEMA, "entries": [
+            {"key": b.key, "uri": b.uri, "arch": b.arch, "nvrtc": b.meta.get("nvrtc", ""),
+             "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p, b in entries]}
+        fd, tmp = tempfile.mkstemp(dir=Path(path).resolve().parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+            for name, data in [("manifest.json", json.dumps(manifest, indent=1).encode())] + [
+                    (p.name, p.read_bytes()) for p, _ in entries]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, path)
+        return {"bundle": str(path), "entries": len(entries)}
+
+    def import_bundle(self, path: str | os.PathLike) -> dict:
+        """Verify every entry of a bundle (manifest, checksum, key), then add them all; a bad
+        bundle adds nothing and raises CacheError naming the entry."""
+        import tarfile
+        try:
+            with tarfile.open(path, mode="r:") as tar:
+                members = {m.name: m for m in tar.getmembers()}
+                if any(not m.isfile() or "/" in m.name or m.name.startswith(".") for m in members.values()):
+                    raise CacheError(f"{path}: the bundle holds something other than plain top-level files")
+                files = {name: tar.extractfile(m).read() for name, m in members.items()}
+        except (OSError, tarfile.TarError) as exc:
+            raise CacheError(f"{path}: not a readable bundle ({exc})") from None
+        try:
+            manifest = json.loads(files.pop("manifest.json"))
+            listed = {e["key"]: e for e in manifest["entries"]}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CacheError(f"{path}: manifest.json missing or malformed ({exc})") from None
+        if manifest.get("schema") != SCHEMA or set(files) != {k + SUFFIX for k in listed}:
+            raise CacheError(f"{path}: the manifest does not list exactly the bundle's entries "
+                             f"(or is schema {manifest.get('schema')!r}, expected {SCHEMA})")
+        for key, item in listed.items():
+            data = files[key + SUFFIX]
+            try:
+                entry = decode_entry(data, key)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CacheError(f"{path}: entry {key} ({item.get('uri')}) is bad: {exc}") from None
+            if hashlib.sha256(data).hexdigest() != item.get("sha256") or entry.uri != item.get("uri"):
+                raise CacheError(f"{path}: entry {key} ({item.get('uri')}) does not match the manifest")
+        for key in listed:
+            _atomic_write(self.path_of(key), files[key + SUFFIX])
+        return {"bundle": str(path), "imported": len(listed)}
 
     def clear(self) -> int:
         removed = 0

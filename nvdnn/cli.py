@@ -1,4 +1,5 @@
-"""The nvdnn command line: `nvdnn warm`, `nvdnn cache info|list|verify|clear`."""
+"""The nvdnn command line: `nvdnn warm`, `nvdnn cache info|list|verify|clear|export|import`,
+`nvdnn plan inspect|verify`."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,12 @@ EXAMPLES = {
   nvdnn cache info --json
   nvdnn cache list --family pointwise --arch sm_90
   nvdnn cache verify --repair
-  NVDNN_CACHE_DIR=/tmp/k nvdnn cache clear""",
+  NVDNN_CACHE_DIR=/tmp/k nvdnn cache clear
+  nvdnn cache export kernels.tar                      ship a folder's kernels...
+  NVDNN_CACHE_DIR=/srv/k nvdnn cache import kernels.tar   ...verified entry by entry""",
+    "plan": """examples:
+  nvdnn plan inspect model.plan                       header, kernels and their uris
+  nvdnn plan verify model.plan --json                 every check deserialize makes""",
 }
 
 
@@ -94,6 +100,13 @@ def _cmd_cache(args) -> int:
             print(f"folder   {info['folder']}\nentries  {info['entries']} ({info['bad']} bad)\n"
                   f"size     {info['bytes'] / 1e6:.2f} MB\nNVRTC    {info['nvrtc']}")
         return 0
+    if args.action in ("export", "import"):
+        if not args.file:
+            print(f"nvdnn cache {args.action}: give the bundle FILE", file=sys.stderr)
+            return 2
+        result = cache.export_bundle(args.file) if args.action == "export" else cache.import_bundle(args.file)
+        print(json.dumps(result) if args.json else ", ".join(f"{k} {v}" for k, v in result.items()))
+        return 0
     if args.action == "clear":
         removed = cache.clear()
         print(json.dumps({"removed": removed}) if args.json else f"removed {removed} files from {cache.folder}")
@@ -128,6 +141,29 @@ def _cmd_cache(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from . import plan
+    blob = open(args.blob, "rb").read()
+    header, images = plan.read_header(blob)  # framing, checksum and every kernel image
+    if args.action == "verify":
+        plan.deserialize(blob)  # every field, the graph rebuilt: nothing compiles, nothing loads
+        print(json.dumps({"blob": args.blob, "ok": True}) if args.json else f"{args.blob}: ok")
+        return 0
+    info = {"blob": args.blob, "bytes": len(blob), "nvdnn_version": header.get("nvdnn_version"),
+            "arch": header.get("arch"), "nvrtc": header.get("nvrtc"), "workspace_size": header.get("workspace_size"),
+            "graph": header.get("graph", {}).get("name"), "uids": header.get("uids"),
+            "kernels": [{"uri": k["uri"], "entry": k["entry"], "bytes": k["size"]} for k in header["kernels"]]}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(f"{args.blob}: {info['bytes']} bytes, graph '{info['graph']}', nvdnn {info['nvdnn_version']}, "
+              f"{info['arch']}, NVRTC {info['nvrtc']}, workspace {info['workspace_size']} bytes, io uids "
+              f"{info['uids']}")
+        for k in info["kernels"]:
+            print(f"  {k['bytes']:7d} B  {k['uri']}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="nvdnn", description="nvdnn: NVRTC-compiled deep-learning kernels")
     sub = top.add_subparsers(dest="command", required=True)
@@ -143,11 +179,18 @@ def parser() -> argparse.ArgumentParser:
     w.set_defaults(run=_cmd_warm)
     c = sub.add_parser("cache", help="inspect or clear the kernel cache", epilog=EXAMPLES["cache"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("action", choices=("info", "list", "verify", "clear"))
+    c.add_argument("action", choices=("info", "list", "verify", "clear", "export", "import"))
+    c.add_argument("file", nargs="?", help="bundle file, for export and import")
     c.add_argument("--family"), c.add_argument("--arch"), c.add_argument("--dtype")
     c.add_argument("--repair", action="store_true", help="with verify: remove bad entries")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_cmd_cache)
+    pl = sub.add_parser("plan", help="inspect or verify a plan blob (Graph.serialize)", epilog=EXAMPLES["plan"],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("action", choices=("inspect", "verify"))
+    pl.add_argument("blob")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(run=_cmd_plan)
     return top
 
 

@@ -177,3 +177,57 @@ def test_cache_clear_removes_everything(cache_dir, populated):
     assert list(KernelCache(cache_dir).entries()) == []
     info = _json(nvdnn(cache_dir, "cache", "info", "--json"))
     assert info["entries"] == 0 and info["bytes"] == 0
+
+
+# -- bundles and plan blobs ---------------------------------------------------------------------
+
+def test_export_clear_import_verify_round_trip(cache_dir, three_specs, tmp_path):
+    spec_file = _write_spec_file(tmp_path / "specs.jsonl", three_specs, arch="sm_90")
+    assert nvdnn(cache_dir, "warm", "--spec-file", str(spec_file)).returncode == 0
+    bundle = tmp_path / "kernels.tar"
+    assert nvdnn(cache_dir, "cache", "export", str(bundle)).returncode == 0
+    assert nvdnn(cache_dir, "cache", "clear").returncode == 0
+    imported = nvdnn(cache_dir, "cache", "import", str(bundle), "--json")
+    assert imported.returncode == 0 and json.loads(imported.stdout)["imported"] == 3
+    verified = nvdnn(cache_dir, "cache", "verify", "--json")
+    assert verified.returncode == 0 and json.loads(verified.stdout)["good"] == 3
+
+
+def test_a_tampered_bundle_is_refused_naming_the_entry_and_adds_nothing(cache_dir, three_specs, tmp_path):
+    import io
+    import tarfile
+    spec_file = _write_spec_file(tmp_path / "specs.jsonl", three_specs, arch="sm_90")
+    assert nvdnn(cache_dir, "warm", "--spec-file", str(spec_file)).returncode == 0
+    bundle, bad = tmp_path / "kernels.tar", tmp_path / "tampered.tar"
+    assert nvdnn(cache_dir, "cache", "export", str(bundle)).returncode == 0
+    with tarfile.open(bundle) as src, tarfile.open(bad, "w") as dst:
+        members = src.getmembers()
+        victim = next(m.name for m in members if m.name.endswith(".nvk"))
+        for m in members:
+            data = bytearray(src.extractfile(m).read())
+            if m.name == victim:
+                data[len(data) // 2] ^= 0x01
+            info = tarfile.TarInfo(m.name)
+            info.size = len(data)
+            dst.addfile(info, io.BytesIO(bytes(data)))
+    assert nvdnn(cache_dir, "cache", "clear").returncode == 0
+    refused = nvdnn(cache_dir, "cache", "import", str(bad))
+    assert refused.returncode == 2 and victim[:-4] in refused.stderr
+    info = json.loads(nvdnn(cache_dir, "cache", "info", "--json").stdout)
+    assert info["entries"] == 0
+
+
+def test_plan_inspect_and_verify(cache_dir, tmp_path):
+    from .graphs import three_kernel_graph
+    blob = tmp_path / "model.plan"
+    blob.write_bytes(three_kernel_graph("sm_90").build().serialize())
+    inspected = nvdnn(cache_dir, "plan", "inspect", str(blob), "--json")
+    assert inspected.returncode == 0
+    info = json.loads(inspected.stdout)
+    assert info["arch"] == "sm_90" and len(info["kernels"]) == 4 and info["graph"] == "three_outputs"
+    assert nvdnn(cache_dir, "plan", "verify", str(blob)).returncode == 0
+    data = bytearray(blob.read_bytes())
+    data[-40] ^= 0x10
+    blob.write_bytes(bytes(data))
+    broken = nvdnn(cache_dir, "plan", "verify", str(blob))
+    assert broken.returncode == 2 and "checksum" in broken.stderr
