@@ -111,14 +111,22 @@ def autotune(graph, variant_pack, workspace=None, *, repeat: int = 20, warmup: i
     graph.build_plans("all")
     db, arch, device = TuningDB(), graph._arch(), _device_name()
     report = []
+    import cupy
     for index, specs in enumerate(graph.candidates):
-        timings = {}
+        timings, rejected, expected = {}, {}, None
         for c, spec in enumerate(specs):
             graph.chosen[index] = c
             graph._prepared.clear()
             bound = graph._bind(variant_pack)
             launch, pointers = graph._launches(bound, workspace)[index]
             args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
+            args[0].fill(float("nan"))  # the output: a candidate must write all of it, bit for bit
+            launch.function(launch.grid, launch.block, (*args, *launch.tail))
+            if expected is None:
+                expected = args[0].copy()  # the heuristic's result: tile shapes do not change the math
+            elif not bool(cupy.array_equal(args[0], expected, equal_nan=True)):
+                rejected[_tile(spec)] = "output differs from the heuristic candidate's"
+                continue
             timings[_tile(spec)] = time_launches(
                 lambda: launch.function(launch.grid, launch.block, (*args, *launch.tail)), repeat, warmup)
         best = min(timings, key=timings.get)
@@ -126,6 +134,6 @@ def autotune(graph, variant_pack, workspace=None, *, repeat: int = 20, warmup: i
         n = math.prod(graph._shapes([a.shape for a in graph._bind(variant_pack)])[graph.groups[index].output.uid])
         db.record(specs[0], arch, device, n, timings, best)
         report.append({"group": graph.groups[index].describe(), "heuristic": _tile(specs[0]), "best": best,
-                       "timings_ms": timings})
+                       "timings_ms": timings, "rejected": rejected})
     graph._prepared.clear()
     return report

@@ -198,6 +198,9 @@ def compile_cubin(source: str, *, name: str, options: tuple[str, ...], uri: str 
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"NVRTC {nvrtc_version()} could not compile {name}", uri=uri, log=log,
                                source_path=source_path)
+        if re.search(r"\bwarning #", log):  # generated code must be clean: a warning is a template bug
+            raise CompileError(f"NVRTC {nvrtc_version()} warned about generated code in {name}", uri=uri,
+                               log=log, source_path=source_path)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

@@ -257,3 +257,14 @@ def test_include_dir_is_restored_after_the_patch():
     assert (Path(compiler.include_dir()) / "cuda_fp16.h").is_file()
     result = compiler.compile_cubin(TINY_SOURCE, name="tiny.cu", options=compiler.options_for("sm_80"))
     assert result.cubin.startswith(b"\x7fELF")
+
+
+def test_a_warning_in_generated_code_is_a_compile_error():
+    """A template bug NVRTC only warns about (here: a missing return) must not ship as a kernel."""
+    from nvdnn import compiler
+    from nvdnn.errors import CompileError
+    source = ('template <typename T> __device__ T f(const T* p) { if constexpr (sizeof(T) == 4) { T v = *p; }'
+              ' else { return *p; } }\nextern "C" __global__ void k(float* y, const float* x) { y[0] = f(x); }')
+    with pytest.raises(CompileError, match="warned") as info:
+        compiler.compile_cubin(source, name="t.cu", options=compiler.options_for("sm_90"), uri="test/uri")
+    assert "missing return statement" in info.value.log and info.value.uri == "test/uri"

@@ -11,10 +11,9 @@ template <int N, typename T> __device__ __forceinline__ Vec<T, N> load_vec_strea
   if constexpr (sizeof(Vec<T, N>) == 16) {
     Vec<T, N> v;
     unsigned* r = reinterpret_cast<unsigned*>(&v);
-    // {%- raw %} (the PTX vector braces are not Jinja)
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    // "{ %0": a space keeps the PTX vector braces from reading as a Jinja tag
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 { %0, %1, %2, %3 }, [%4];"
         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
-    // {% endraw %}
     return v;
   } else {
     return load_vec<N>(p);
