@@ -24,19 +24,23 @@ def to_device(x, name: str):
     if isinstance(x, np.ndarray):
         return cp.asarray(x), _to_numpy
     if hasattr(x, "__cuda_array_interface__"):
-        return cp.asarray(x), _back_to(x)
+        return _bfloat16_view(cp.asarray(x), x), _back_to(x)
     if hasattr(x, "__dlpack__"):
         try:
-            y = cp.from_dlpack(x)
-            if y.dtype.kind == "V" and "bfloat16" in str(getattr(x, "dtype", "")):
-                import ml_dtypes  # CuPy takes DLPack bfloat16 as 2-byte void
-                y = y.view(ml_dtypes.bfloat16)
-            return y, _back_to(x)
+            return _bfloat16_view(cp.from_dlpack(x), x), _back_to(x)
         except Exception as exc:  # a CPU tensor, an unsupported dtype ...
             raise DeviceError(f"{name}: cannot view {type(x).__name__} on the GPU through DLPack ({exc})",
                               arg=name) from exc
     raise ValidationError(f"{name}: expected a CuPy/NumPy array or a DLPack / CUDA-array-interface "
                           f"object, got {type(x).__name__}", arg=name)
+
+
+def _bfloat16_view(y, source):
+    """CuPy takes bfloat16 through DLPack and the CUDA array interface as 2-byte void."""
+    if y.dtype.kind == "V" and y.dtype.itemsize == 2 and "bfloat16" in str(getattr(source, "dtype", "")):
+        import ml_dtypes
+        return y.view(ml_dtypes.bfloat16)
+    return y
 
 
 def _identity(y):
