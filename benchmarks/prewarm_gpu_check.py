@@ -50,12 +50,16 @@ def gpu_test_graphs(arch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--record", help="an NVDNN_RECORD file from an earlier GPU run")
+    parser.add_argument("--record", default=os.path.join(os.path.dirname(__file__), "gpu_check_record.jsonl"),
+                        help="an NVDNN_RECORD file from an earlier GPU run (default: the one kept here)")
     args = parser.parse_args()
     cache = nvdnn.default_cache()
     jobs = [(spec, args.arch) for spec in warm.preset_specs(["pointwise"])]
-    if args.record and os.path.exists(args.record):
-        jobs += [(spec, arch or args.arch) for spec, arch in warm.read_spec_file(args.record)]
+    if args.record and os.path.exists(args.record):  # stale lines (older spec fields) are skipped
+        try:
+            jobs += [(spec, arch or args.arch) for spec, arch in warm.read_spec_file(args.record)]
+        except nvdnn.errors.ValidationError as exc:
+            print(f"recording {args.record} skipped: {exc}")
     for g, policy in gpu_test_graphs(args.arch):
         g.validate().build_operation_graph().create_execution_plans().check_support()
         jobs += [(spec, args.arch) for i, specs in enumerate(g.candidates)
