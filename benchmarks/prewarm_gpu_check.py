@@ -55,7 +55,7 @@ def main():
     args = parser.parse_args()
     cache = nvdnn.default_cache()
     jobs = [(spec, args.arch) for spec in warm.preset_specs(["pointwise"])]
-    if args.record and os.path.exists(args.record):  # stale lines (older spec fields) are skipped
+    if args.record and os.path.exists(args.record):  # a recording of older spec fields is skipped whole
         try:
             jobs += [(spec, arch or args.arch) for spec, arch in warm.read_spec_file(args.record)]
         except nvdnn.errors.ValidationError as exc:
