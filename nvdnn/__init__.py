@@ -1,6 +1,6 @@
 """nvdnn: cuDNN-style deep-learning primitives for NVIDIA GPUs, as Jinja-templated CUDA C
 compiled at run time with NVRTC, cached by shape-aware specs and launched on CuPy arrays."""
-from . import dtypes, errors, reference
+from . import config, dtypes, errors, reference
 from .cache import KernelCache, default_cache
 from .graph import Graph, Tensor
 from .dtypes import bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32, int64
@@ -9,3 +9,5 @@ from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, g
                          sqrt, sub, swish, tanh)
 
 __version__ = "0.1.0"
+
+config.configure_logging()

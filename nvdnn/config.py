@@ -56,6 +56,23 @@ def get(name: str):
     return setting.parse(os.environ.get(name, setting.default))
 
 
+def configure_logging() -> None:
+    """Apply NVDNN_LOG_LEVEL to the "nvdnn" loggers; when it is set, also print to stderr."""
+    import logging
+    import warnings
+    try:
+        level = get("NVDNN_LOG_LEVEL")
+    except ValueError as exc:  # a typo in the environment must not break `import nvdnn`
+        warnings.warn(f"nvdnn: {exc}; using 'warning'", stacklevel=3)
+        level = "warning"
+    logger = logging.getLogger("nvdnn")
+    logger.setLevel(level.upper())
+    if os.environ.get("NVDNN_LOG_LEVEL") and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("nvdnn %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def describe() -> list[dict]:
     """Every setting with its current raw value, for `nvdnn cache info` and the docs."""
     return [{"name": s.name, "value": os.environ.get(s.name, ""), "default": s.default, "doc": s.doc}

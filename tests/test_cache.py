@@ -605,3 +605,18 @@ def test_encode_decode_round_trip(pristine):
     assert decoded == binary and decoded.meta["spec"]["family"] == "pointwise"
     with pytest.raises(ValueError, match="another key"):
         decode_entry(pristine["data"], "0" * 64)
+
+
+def test_log_level_setting_is_applied(monkeypatch):
+    import logging
+    import warnings
+    from nvdnn import config
+    monkeypatch.setenv("NVDNN_LOG_LEVEL", "debug")
+    config.configure_logging()
+    assert logging.getLogger("nvdnn").level == logging.DEBUG
+    monkeypatch.setenv("NVDNN_LOG_LEVEL", "loud")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config.configure_logging()
+    assert logging.getLogger("nvdnn").level == logging.WARNING and "loud" in str(caught[0].message)
+    logging.getLogger("nvdnn").handlers.clear()

@@ -505,10 +505,8 @@ class Graph:
 
     def _execute_numpy(self, variant_pack):
         """Float64 NumPy reference of every node; results written into the pack's arrays."""
-        if self._state in ("new",):
-            self.validate()
-        if not self._io:
-            self.build_operation_graph()
+        if _STATES.index(self._state) < _STATES.index("fused"):
+            self.validate().build_operation_graph()
         values, targets = {}, {}
         for key, value in variant_pack.items():
             index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
