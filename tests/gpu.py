@@ -38,6 +38,14 @@ def poisoned(shape, dtype: str):
     return cupy.full(shape, np.nan, dtype=host_dtype(dtype))
 
 
+def poison_pool(shape, dtype: str) -> None:
+    """Leave a NaN-filled block of this size in CuPy's pool (current stream), so the next
+    allocation of that size, an op's own output, starts poisoned too."""
+    block = poisoned(shape, dtype)
+    block.data.device.synchronize()
+    del block
+
+
 def check(y, ref, dtype: str, what: str = ""):
     """Every element written (no NaN where the reference has none) and within tolerance."""
     got = (y.get() if hasattr(y, "get") else np.asarray(y)).astype(np.float64)

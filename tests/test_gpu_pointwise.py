@@ -11,7 +11,7 @@ import nvdnn
 from nvdnn import reference as ref
 from nvdnn.errors import DTypeError, ValidationError
 
-from .gpu import check, poisoned, random, requires_gpu
+from .gpu import check, poison_pool, poisoned, random, requires_gpu
 
 pytestmark = requires_gpu
 DTYPES = ("float32", "float16", "bfloat16")
@@ -54,6 +54,7 @@ def test_unary(op, dtype):
         assert fn(x, out=out) is out
         check(out, oracle(x64), dtype, f"{op} n={n}")
     x, x64 = random((3, 5, 7), dtype, low, high)
+    poison_pool(x.shape, dtype)
     check(fn(x), oracle(x64), dtype, f"{op} allocated output")
 
 
@@ -87,11 +88,17 @@ def test_binary(op, dtype, pattern):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_binary_with_python_scalar(dtype):
     x, x64 = random((1001,), dtype, 0.5, 3.0)
+    poison_pool(x.shape, dtype)
     check(nvdnn.add(x, 2.5), x64 + 2.5, dtype, "add scalar")
+    poison_pool(x.shape, dtype)
     check(nvdnn.mul(3.0, x), 3.0 * x64, dtype, "scalar first, commutative")
+    poison_pool(x.shape, dtype)
     check(nvdnn.power(x, 1.5), x64 ** 1.5, dtype, "power scalar")
+    poison_pool(x.shape, dtype)
     check(nvdnn.scale(x, -0.25), -0.25 * x64, dtype, "scale")
+    poison_pool(x.shape, dtype)
     check(nvdnn.sub(1.0, x), 1.0 - x64, dtype, "scalar first, reversed")
+    poison_pool(x.shape, dtype)
     check(nvdnn.div(2.0, x), 2.0 / x64, dtype, "scalar first, reversed div")
 
 
@@ -134,6 +141,7 @@ def test_output_dtype_differs(src, dst):
     out = poisoned((4097,), dst)
     nvdnn.gelu(x, out=out)
     check(out, ref.gelu(x64), dst, f"{src}->{dst}")
+    poison_pool(x.shape, dst)
     check(nvdnn.cast(x, dst), x64, dst, "cast")
 
 
@@ -159,6 +167,7 @@ def test_streams_and_numpy_round_trip():
     x, x64 = random((1 << 16,), "float32")
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        poison_pool(x.shape, "float32")
         y = nvdnn.gelu(x)
     stream.synchronize()
     check(y, ref.gelu(x64), "float32", "non-default stream")
@@ -186,6 +195,7 @@ def test_dynamic_shapes_reuse_kernels():
     before = dict(cache.stats)
     for rows in (9, 17, 100, 1000):
         x, x64 = random((rows, 4096), "bfloat16")
+        poison_pool(x.shape, "bfloat16")
         check(nvdnn.gelu(x), ref.gelu(x64), "bfloat16", f"rows={rows}")
     assert cache.stats["compiles"] == before["compiles"] and cache.stats["disk_hits"] == before["disk_hits"]
 
