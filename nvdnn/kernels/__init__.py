@@ -1,1 +1,33 @@
-"""Kernel families: each module turns a request into KernelSpecs, launch geometry and presets."""
+"""Kernel families: each module turns a request into KernelSpecs, launch geometry and presets.
+
+The shape every anchor family (norm, reduce, pool, and later matmul, conv, attention) plans
+into, so the graph and the functional API launch any of them the same way:
+
+    plan(...)             -> Plan: the launches of one op on concrete shapes, in order
+    candidates(spec)      -> other tile variants of the same work, for autotuning
+    unsupported_reason(spec, arch) -> why an arch cannot run a spec, or None
+    preset()              -> the specs `nvdnn warm --preset <family>` compiles
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Launch(NamedTuple):
+    """One kernel launch. ``pointers`` names each pointer argument, in kernel order: a role of
+    the op ("y", "x", "gamma", "mean", ...) or a scratch buffer "scratch<k>"; ``args`` are the
+    scalar arguments after the pointers, as NumPy scalars (np.int32, np.int64, np.float32)."""
+    spec: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    pointers: tuple
+    args: tuple
+
+
+class Plan(NamedTuple):
+    """The launches of one op, run in order on one stream, and the byte sizes of the scratch
+    buffers they share (each placed 256-byte aligned in the graph's workspace). A launch may
+    rely on a scratch buffer being zero only if an earlier launch of the plan zeroes it."""
+    launches: tuple
+    scratch: tuple = ()

@@ -127,7 +127,7 @@ class PointwiseSpec(KernelSpec):
 
     @property
     def n_params(self) -> int:
-        return sum(len(OPS[op].params) if OPS[op].arity == 1 else int(rhs == "p") for op, rhs in self.steps)
+        return chain_params(self.steps)
 
     @property
     def uri(self) -> str:
@@ -162,14 +162,7 @@ class PointwiseSpec(KernelSpec):
             inputs.append({"i": i, "ctype": ctypes[i], "access": access, "load": "_stream" if streamed else "",
                            "offset": " + ".join(terms) or "0",
                            "last_stride": f"s{i}_{self.ndim - 1}" if access == "gat" else ""})
-        slot = iter(range(self.n_params))
-        steps = []
-        for op, rhs in self.steps:
-            if OPS[op].arity == 1:
-                args = [f"p{next(slot)}" for _ in OPS[op].params]
-            else:
-                args = [f"p{next(slot)}" if rhs == "p" else "a" + rhs[1:]]
-            steps.append({"op": op, "args": args})
+        steps = chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4)
         params = [f"float p{k}" for k in range(self.n_params)]
         value = {"lin": "in{i}[u].v[j]", "vec": "in{i}[u].v[j]", "bc": "in{i}[u].v[j]", "gat": "in{i}[u].v[j]"}
         tail = {"lin": "x{i}[e]", "vec": "x{i}[off{i}]", "bc": "x{i}[off{i}]", "gat": "x{i}[off{i}]"}
@@ -177,7 +170,6 @@ class PointwiseSpec(KernelSpec):
             "index_t": index_t, "out_ctype": dtypes.BY_NAME[self.output].ctype,
             "vec": self.vec, "block": self.block, "unroll": self.unroll, "ndim": self.ndim,
             "min_blocks": self.min_blocks,
-            "fast_math": dtypes.BY_NAME[self.output].itemsize < 4, "fast_ops": FAST_OPS,
             "inputs": inputs, "steps": steps,
             "chain_params": [f"float a{i}" for i in range(len(self.inputs))] + params,
             "kernel_params": ["out_t* __restrict__ y"]
@@ -189,6 +181,26 @@ class PointwiseSpec(KernelSpec):
             "tail_args": [f"nvdnn::to_float({tail[x['access']].format(i=x['i'])})" for x in inputs]
             + [f"p{k}" for k in range(self.n_params)],
         }
+
+
+def chain_params(steps) -> int:
+    """How many scalar kernel arguments a chain of (op, rhs) steps takes."""
+    return sum(len(OPS[op].params) if OPS[op].arity == 1 else int(rhs == "p") for op, rhs in steps)
+
+
+def chain_steps(steps, *, fast: bool, first_param: int = 0) -> list[dict]:
+    """Template context of a chain (templates/common/chain.cuh.j2): per step its op, its C
+    arguments after the chain value (tensor operand ``a<k>``, scalar ``p<k>``) and whether it
+    takes the cheaper form meant for 16-bit outputs."""
+    slot = iter(range(first_param, first_param + chain_params(steps)))
+    out = []
+    for op, rhs in steps:
+        if OPS[op].arity == 1:
+            args = [f"p{next(slot)}" for _ in OPS[op].params]
+        else:
+            args = [f"p{next(slot)}" if rhs == "p" else "a" + rhs[1:]]
+        out.append({"op": op, "args": args, "fast": fast and op in FAST_OPS})
+    return out
 
 
 # -- planning: from concrete tensors to a spec and its launch --------------------------------------

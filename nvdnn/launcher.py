@@ -1,0 +1,53 @@
+"""Run a kernel family's Plan on device arrays: compile (or fetch) each launch's kernel once,
+place the scratch buffers, launch in order on one stream. No host synchronization."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, compiler, runtime
+from .cache import default_cache
+from .errors import ValidationError
+from .kernels import Plan
+
+SCRATCH_ALIGN = 256
+DEFAULT_SHARED = 48 * 1024  # dynamic shared memory beyond this needs an opt-in per kernel
+
+
+def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:
+    """Byte offset of each scratch buffer in one workspace, and the workspace size."""
+    offsets, size = [], 0
+    for nbytes in plan.scratch:
+        offsets.append(size)
+        size += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return tuple(offsets), size
+
+
+def functions(plan: Plan, device: int, arch: str | None = None) -> list:
+    """The loaded kernel of every launch, compiled or fetched from the cache on first use."""
+    arch = arch or compiler.device_arch(device)
+    cache = default_cache()
+    return [runtime.function(cache.get(launch.spec, arch), device) for launch in plan.launches]
+
+
+def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int | None = None) -> None:
+    """Launch ``plan`` with ``tensors`` (role -> CuPy array) and, when it needs scratch, a
+    workspace of at least ``scratch_layout(plan)[1]`` bytes (allocated here if not given)."""
+    cp = arrays.cupy()
+    device = cp.cuda.runtime.getDevice() if device is None else device
+    offsets, size = scratch_layout(plan)
+    if size and workspace is None:
+        workspace = cp.empty(size, dtype=cp.uint8)
+    if size and workspace.nbytes < size:
+        raise ValidationError(f"workspace: the plan needs {size} bytes, got {workspace.nbytes}", arg="workspace")
+    for launch, fn in zip(plan.launches, functions(plan, device)):
+        pointers = []
+        for role in launch.pointers:
+            if role.startswith("scratch"):
+                pointers.append(np.uint64(workspace.data.ptr + offsets[int(role[len("scratch"):])]))
+            elif role in tensors:
+                pointers.append(tensors[role])
+            else:
+                raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
+        if launch.shared_mem > DEFAULT_SHARED and fn.max_dynamic_shared_size_bytes < launch.shared_mem:
+            fn.max_dynamic_shared_size_bytes = launch.shared_mem
+        fn(launch.grid, launch.block, (*pointers, *launch.args), shared_mem=launch.shared_mem, stream=stream)
