@@ -4,12 +4,13 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from nvdnn import codegen
 from nvdnn.errors import DTypeError, ValidationError
 from nvdnn.kernels import pointwise
-from nvdnn.kernels.pointwise import Operand, PointwiseSpec, plan
+from nvdnn.kernels.pointwise import Operand, PointwiseSpec, fast_divisor, plan
 from nvdnn.spec import FAMILIES, KernelSpec
 
 PRESET = pointwise.preset()
@@ -192,7 +193,7 @@ def test_nhwc_bias_is_a_vector_operand():
     spec = launch.spec
     assert spec.access == ("lin", "vec") and spec.zero == ("", "10")
     assert spec.ndim == 2 and spec.vec == 8
-    assert launch.int_args == (n * h * w * c, n * h * w, c)
+    assert launch.int_args == (n * h * w * c, n * h * w, c, *fast_divisor(c))
 
 
 def test_nchw_bias_is_a_broadcast_operand():
@@ -232,7 +233,8 @@ def test_transposed_input_is_gathered():
     spec = launch.spec
     assert spec.access == ("lin", "gat") and spec.zero == ("", "00") and spec.ndim == 2
     assert spec.vec == 4  # the gathered operand takes scalar loads; the others stay vectorized
-    assert launch.int_args == (64 * 128, 64, 128, 1, 64)
+    assert launch.int_args == (64 * 128, 64, 128, *fast_divisor(128), 1, 64)
+    assert [type(a) for a in launch.int_args] == [np.int32] * 3 + [np.uint32] * 2 + [np.int32] * 2
 
 
 def test_index_width_follows_the_size():
@@ -282,3 +284,15 @@ def test_plan_is_deterministic_and_preset_specs_replan(spec, make_spec):
     assert make_spec() == spec
     assert plan([("add", "x1"), ("gelu", "")], [op("bfloat16", (64, 4096)), op("bfloat16", (4096,))],
                 "bfloat16").spec == spec
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 64, 1000, 4095, 4096, 65537, 2 ** 30 + 1, 2 ** 31 - 1])
+def test_fast_divisor_matches_integer_division(d):
+    mul, shr = fast_divisor(d)
+    assert 0 < mul < 2 ** 32
+    rng = np.random.default_rng(d)
+    n = np.concatenate([rng.integers(0, 2 ** 31, 4096, dtype=np.uint64),
+                        np.array([0, 1, d - 1, d, d + 1, 2 ** 31 - 1], dtype=np.uint64)])
+    n = n[n < 2 ** 31]
+    q = (((n * np.uint64(mul)) >> np.uint64(32)) + n) >> np.uint64(shr)  # the kernel's umulhi, add, shift
+    assert (q == n // np.uint64(d)).all()

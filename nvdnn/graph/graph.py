@@ -451,8 +451,7 @@ class Graph:
                     slots.append(("ws",)), pointers.append(view)
                 else:
                     slots.append(("io", self._slot[t])), pointers.append(None)
-            index_type = np.int64 if spec.index == "int64" else np.int32
-            tail = tuple(index_type(v) for v in launch.int_args) + tuple(np.float32(p) for p in group.params)
+            tail = launch.int_args + tuple(np.float32(p) for p in group.params)
             fn = runtime.function(binary, device)
             out.append((_Launch(fn, launch.grid, launch.block, tuple(slots), tail), pointers))
         return out
@@ -468,21 +467,27 @@ class Graph:
                                   arg=exc.arg) from None
 
     def _static_change(self, group, bound, got, built) -> str:
-        for t in group.inputs + [group.output]:
-            if t.is_virtual:
-                continue
-            a = bound[self._slot[t]]
+        """Name the tensor and dim whose change alters the kernel: a last dim that breaks the
+        built vector width, a dim that became (or stopped being) 1, or else strides/alignment."""
+        arrays_of = [(t, bound[self._slot[t]]) for t in group.inputs + [group.output] if not t.is_virtual]
+        change = f"changes the kernel ({built.uri} -> {got.uri}); rebuild the graph for this shape"
+        for t, a in arrays_of:
+            if got.vec < built.vec and a.ndim and a.shape[-1] != t.dims[-1] and a.shape[-1] % built.vec:
+                return (f"tensor '{t.name}' dim {a.ndim - 1}: {a.shape[-1]} instead of the built {t.dims[-1]} is "
+                        f"not a multiple of the built vector width {built.vec}: the vector width is static and "
+                        + change)
+        for t, a in arrays_of:
             for d, (size, built_size) in enumerate(zip(a.shape, t.dims)):
-                if size != built_size:
+                if size != built_size and 1 in (size, built_size):
                     return (f"tensor '{t.name}' dim {d}: {size} instead of the built {built_size} changes the "
-                            f"kernel ({built.uri} -> {got.uri}); the broadcast pattern and the vector width are "
-                            "static: rebuild the graph for this shape")
+                            "broadcast pattern, which is static: " + change)
+        for t, a in arrays_of:
             strides = tuple(s // a.itemsize for s in a.strides)
             if strides != t.strides or arrays.alignment(a.data.ptr) < t.alignment:
                 return (f"tensor '{t.name}': strides {list(strides)} / address alignment "
                         f"{arrays.alignment(a.data.ptr)} differ from the built {list(t.strides)} / {t.alignment} "
                         f"and change the kernel ({built.uri} -> {got.uri}); rebuild the graph for these arrays")
-        return f"the kernel changes ({built.uri} -> {got.uri}); rebuild the graph for these arrays"
+        return f"the new shapes {change}"
 
     def _shapes(self, io_dims) -> dict[int, tuple]:
         """Dims of every tensor for the given io dims (virtual ones by broadcasting)."""

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from .. import dtypes
 from ..errors import DTypeError, ValidationError
 from ..spec import KernelSpec, one_of
@@ -138,6 +140,10 @@ class PointwiseSpec(KernelSpec):
                 f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}m{self.min_blocks}"
                 + (".l2pf" if self.l2_prefetch else ""))
 
+    def divided_dims(self) -> range:
+        """Dims whose size an int32 kernel divides by through a multiply-high (fast_divisor)."""
+        return range(1, self.ndim) if self.index == "int32" else range(0)
+
     def stride_args(self) -> list[tuple[int, int]]:
         """(input, dim) of every stride the kernel takes, in argument order."""
         out = []
@@ -175,6 +181,7 @@ class PointwiseSpec(KernelSpec):
             "kernel_params": ["out_t* __restrict__ y"]
             + [f"const {c}* __restrict__ x{i}" for i, c in enumerate(ctypes)]
             + ["index_t n"] + [f"index_t size{d}" for d in range(self.ndim)]
+            + [f"unsigned {m}{d}" for d in self.divided_dims() for m in ("mul", "shr")]
             + [f"index_t s{i}_{d}" for i, d in strides] + params,
             "vec_args": [f"nvdnn::to_float({value[x['access']].format(i=x['i'])})" for x in inputs]
             + [f"p{k}" for k in range(self.n_params)],
@@ -217,8 +224,15 @@ class Launch(NamedTuple):
     spec: PointwiseSpec
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    int_args: tuple[int, ...]    # n, sizes, strides: in kernel order, after the pointers
+    int_args: tuple              # n, sizes, divisor magics, strides: typed NumPy scalars in kernel order
     n: int
+
+
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(mul, shr) such that q = (umulhi(n, mul) + n) >> shr equals n // d for 0 <= n < 2^31
+    (Granlund & Montgomery's round-up method; the add cannot overflow 32 bits there)."""
+    shr = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shr) - d)) // d + 1, shr
 
 
 def broadcast_shape(shapes: list[tuple[int, ...]], names: list[str]) -> tuple[int, ...]:
@@ -336,8 +350,11 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
                          access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
                          index=index, block=block, unroll=unroll, min_blocks=min_blocks,
                          l2_prefetch=l2_prefetch)
-    stride_args = [in_strides[i][d] for i, d in spec.stride_args()]
-    return Launch(spec, grid_for(spec, n), (block, 1, 1), tuple([n] + sizes + stride_args), n)
+    index_t = np.int64 if index == "int64" else np.int32
+    magic = [np.uint32(v) for d in spec.divided_dims() for v in fast_divisor(sizes[d])]
+    stride_args = [index_t(in_strides[i][d]) for i, d in spec.stride_args()]
+    return Launch(spec, grid_for(spec, n), (block, 1, 1),
+                  (index_t(n), *map(index_t, sizes), *magic, *stride_args), n)
 
 
 def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:

@@ -16,17 +16,30 @@ __device__ __forceinline__ float op_relu(float x, float negative_slope, float cl
 __device__ __forceinline__ float op_gelu(float x) {
   return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
 }
-// For 16-bit outputs (rounding error 2^-9 or more), erf by Abramowitz & Stegun 7.1.26: absolute
-// error below 1.5e-7, half the instructions of erff. Never used for float32 outputs.
+// Hardware approximations without the denormal fix-up that __fdividef / __expf carry
+// (4 instructions each): ~1-2 ulp, denormals flushed; for the 16-bit-output forms only.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// For 16-bit outputs (rounding error 2^-9 or more): Phi(x) from Abramowitz & Stegun 7.1.26,
+// erfc(z) = t * poly(t) * exp(-z^2), absolute error below 1.5e-7, with the 1/2 of Phi folded
+// into the coefficients: about 16 instructions instead of erff's 30.
 __device__ __forceinline__ float op_gelu_fast(float x) {
   const float z = fabsf(x) * 0.70710678118654752f;
-  const float t = __fdividef(1.0f, fmaf(0.3275911f, z, 1.0f));  // approximate: t's error is harmless here
-  float p = fmaf(1.061405429f, t, -1.453152027f);
-  p = fmaf(p, t, 1.421413741f);
-  p = fmaf(p, t, -0.284496736f);
-  p = fmaf(p, t, 0.254829592f);
-  const float erf_z = 1.0f - p * t * __expf(-z * z);
-  return 0.5f * x * (1.0f + copysignf(erf_z, x));
+  const float t = rcp_approx(fmaf(0.3275911f, z, 1.0f));
+  float p = fmaf(0.5307027145f, t, -0.7265760135f);
+  p = fmaf(p, t, 0.7107068705f);
+  p = fmaf(p, t, -0.142248368f);
+  p = fmaf(p, t, 0.127414796f);
+  const float tail = p * t * exp2_approx(x * (x * -0.72134752044448170f));  // Phi(-|x|) = erfc(z) / 2
+  return x * (x > 0.0f ? 1.0f - tail : tail);
 }
 __device__ __forceinline__ float op_gelu_tanh(float x) {
   const float k = 0.79788456080286536f;  // sqrt(2 / pi)
