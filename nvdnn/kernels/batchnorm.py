@@ -1,0 +1,432 @@
+"""Channel-statistics norms: batch_norm (inference, training forward, backward), group_norm and
+instance_norm forward, for (N, C), (N, C, L) and (N, C, H, W) inputs whose strides are dense
+NCHW or NHWC (dims always in N, C, spatial order: the strides say the layout).
+
+Each op is a short plan over three kernels:
+  statistics  a split reduction of kernels/reduce.py into float32 records in scratch:
+              shifted moments per channel (batch) or per sample and group (group), or the
+              backward sums [sum dy, sum dy * (x - mean)] per channel;
+  stats       templates/reduce/stats.cu.j2, a thread per channel (or sample and channel):
+              mean, inverse std, running statistics, dgamma / dbeta, and the float4
+              coefficients (mu, a, b, A) of the pass that writes the output;
+  affine      templates/reduce/affine.cu.j2: y = epilogue((x - mu) * a + b), or for the
+              backward dx = (x - mu) * a + b + dy * A.
+Inference is the affine pass alone, its coefficients computed in the kernel from the running
+statistics. eps, momentum and epilogue parameters are kernel arguments.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import DTypeError, UnsupportedError, ValidationError
+from ..spec import KernelSpec, one_of
+from . import Launch, Plan
+from .pointwise import OPS as POINTWISE_OPS
+from .pointwise import Operand, chain_params, chain_steps
+from .reduce import DTYPES, KINDS, check_operand, split_reduce
+
+STATS_MODES = ("bn", "gn", "bn_bwd")
+AFFINE_BLOCKS = (64, 128, 256, 512)
+RESIDENT_BLOCKS = 528    # grid of a grid-stride affine pass: 4 blocks of 256 threads x 132 SMs (H200)
+MAX_EPILOGUE = 8
+
+
+def check_epilogue(epilogue, params) -> tuple:
+    """Epilogue steps as a tuple of (op, rhs) pairs: rhs "" for a unary op, "p" for a binary op
+    with a scalar; ``params`` gives every scalar, in step order."""
+    steps = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in epilogue)
+    if len(steps) > MAX_EPILOGUE:
+        raise ValidationError(f"epilogue: {len(steps)} steps; at most {MAX_EPILOGUE}", arg="epilogue")
+    for step in steps:
+        if not (isinstance(step, tuple) and len(step) == 2 and step[0] in POINTWISE_OPS):
+            raise ValidationError(f"epilogue: {step!r} is not an (op, rhs) pair of a pointwise op", arg="epilogue")
+        op, rhs = step
+        want = "" if POINTWISE_OPS[op].arity == 1 else "p"
+        if rhs != want:
+            raise ValidationError(f"epilogue: {op} takes rhs {want!r} ('p': a scalar parameter), got {rhs!r}",
+                                  arg="epilogue")
+    if params is not None and len(params) != chain_params(steps):
+        raise ValidationError(f"params: the epilogue {list(steps)} takes {chain_params(steps)} scalars, "
+                              f"got {len(params)}", arg="params")
+    return steps
+
+
+@dataclass(frozen=True)
+class StatsSpec(KernelSpec):
+    family = "reduce_stats"
+    template = "reduce/stats.cu.j2"
+
+    mode: str        # bn | gn | bn_bwd (see the template)
+    param: str       # data type of gamma, beta, running statistics, dgamma, dbeta
+    affine: bool     # gamma (and beta) given
+    update: bool     # bn: update the running statistics
+    block: int = 256
+
+    def validate(self) -> None:
+        one_of(self.mode, STATS_MODES, "mode")
+        one_of(self.param, DTYPES, "param")
+        one_of(self.affine, (False, True), "affine")
+        one_of(self.update, (False, True), "update")
+        one_of(self.block, (128, 256), "block")
+        if self.update and self.mode != "bn":
+            raise ValidationError("update: only training batch_norm updates running statistics", arg="update")
+
+    @property
+    def uri(self) -> str:
+        return (f"reduce_stats/{self.mode}/{dtypes.BY_NAME[self.param].short}"
+                f"{'.affine' if self.affine else ''}{'.update' if self.update else ''}/b{self.block}")
+
+    def pointers(self) -> list[str]:
+        """Kernel pointer parameters with their roles ('coef' and 'part' are scratch)."""
+        if self.mode == "bn_bwd":
+            out = ["coef"] + (["dgamma", "dbeta"] if self.affine else []) + ["saved_mean", "saved_invstd"]
+            return out + (["gamma"] if self.affine else []) + ["part"]
+        out = ["coef", "saved_mean", "saved_invstd"] + (["running_mean", "running_var"] if self.update else [])
+        return out + (["gamma", "beta"] if self.affine else []) + ["part"]
+
+    def render_context(self) -> dict:
+        types = {"coef": "float4*", "saved_mean": "float*", "saved_invstd": "float*", "part": "const float*",
+                 "running_mean": "param_t*", "running_var": "param_t*", "dgamma": "param_t*", "dbeta": "param_t*",
+                 "gamma": "const param_t*", "beta": "const param_t*"}
+        if self.mode == "bn_bwd":
+            types.update(saved_mean="const float*", saved_invstd="const float*")
+        ints = ["n", "channels", "group_size", "splits", "stride_out", "stride_split"]
+        return {"mode": self.mode, "param_ctype": dtypes.BY_NAME[self.param].ctype, "affine": self.affine,
+                "update": self.update, "block": self.block, "nrec": KINDS["dydx" if self.mode == "bn_bwd" else "moments"],
+                "kernel_params": [f"{types[p]} __restrict__ {p}" for p in self.pointers()]
+                + [f"long long {i}" for i in ints] + ["float count", "float eps", "float momentum"]}
+
+
+@dataclass(frozen=True)
+class AffineSpec(KernelSpec):
+    family = "reduce_affine"
+    template = "reduce/affine.cu.j2"
+
+    input: str
+    output: str
+    param: str           # stats source: data type of mean, var, gamma, beta (coef: float32)
+    source: str          # "stats": batch-norm inference statistics; "coef": float4 records
+    affine: bool         # stats source: gamma and beta given
+    backward: bool       # coef source: dx = ... + dy * A
+    layout: str          # "row" (NCHW planes) | "col" (NHWC rows)
+    per_sample: bool     # col layout, coef source: coefficients per (sample, channel)
+    steps: tuple         # epilogue (op, rhs) steps
+    vec: int
+    index: str
+    bx: int = 32         # col layout: threads along channels
+    block: int = 256
+    unroll: int = 4
+
+    def validate(self) -> None:
+        for name in ("input", "output", "param"):
+            one_of(getattr(self, name), DTYPES, name)
+        one_of(self.source, ("stats", "coef"), "source")
+        for name in ("affine", "backward", "per_sample"):
+            one_of(getattr(self, name), (False, True), name)
+        one_of(self.layout, ("row", "col"), "layout")
+        check_epilogue(self.steps, None)
+        one_of(self.vec, (1, 2, 4, 8), "vec")
+        one_of(self.index, ("int32", "int64"), "index")
+        one_of(self.bx, (1, 2, 4, 8, 16, 32), "bx")
+        one_of(self.block, AFFINE_BLOCKS, "block")
+        one_of(self.unroll, (1, 2, 4, 8), "unroll")
+        if self.source == "coef" and (self.param != "float32" or self.affine):
+            raise ValidationError("param: coefficient records are float32 and already affine", arg="param")
+        if self.backward and (self.source != "coef" or self.steps):
+            raise ValidationError("backward: reads coefficient records and takes no epilogue", arg="backward")
+        if self.per_sample and (self.layout != "col" or self.source != "coef"):
+            raise ValidationError("per_sample: a col layout with coefficient records", arg="per_sample")
+        if self.layout == "col" and self.bx * 2 > self.block:
+            raise ValidationError(f"bx: {self.bx} exceeds half a block of {self.block}", arg="bx")
+        widest = max(dtypes.BY_NAME[self.input].itemsize, dtypes.BY_NAME[self.output].itemsize)
+        if self.vec * widest > 16:
+            raise ValidationError(f"vec: {self.vec} elements of {widest} bytes exceed 16 bytes", arg="vec")
+
+    @property
+    def uri(self) -> str:
+        chain = ".".join(op + (f"({rhs})" if rhs else "") for op, rhs in self.steps) or "none"
+        what = "bwd" if self.backward else ("stats" + (".affine" if self.affine else "") if self.source == "stats"
+                                             else "coef")
+        short = {d: dtypes.BY_NAME[d].short for d in DTYPES}
+        return (f"reduce_affine/{what}/{self.layout}{'.sample' if self.per_sample else ''}/{chain}"
+                f"/{short[self.input]}->{short[self.output]}.p{short[self.param]}"
+                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}")
+
+    def pointers(self) -> list[str]:
+        lead = ["y"] + (["dy"] if self.backward else []) + ["x"]
+        if self.source == "coef":
+            return lead + ["coef"]
+        return lead + ["mean", "var"] + (["gamma", "beta"] if self.affine else [])
+
+    def render_context(self) -> dict:
+        types = {"y": "out_t*", "dy": "const in_t*", "x": "const in_t*", "coef": "const float4*"}
+        n_params = chain_params(self.steps)
+        ints = ["lv", "pmod"] if self.layout == "row" else ["n_rows", "n_cols"] + (
+            ["rows_per_sample"] if self.per_sample else [])
+        params = [f"p{k}" for k in range(n_params)]
+        return {
+            "index_t": "int" if self.index == "int32" else "long long",
+            "in_ctype": dtypes.BY_NAME[self.input].ctype, "out_ctype": dtypes.BY_NAME[self.output].ctype,
+            "param_ctype": dtypes.BY_NAME[self.param].ctype, "source": self.source, "affine": self.affine,
+            "backward": self.backward, "layout": self.layout, "per_sample": self.per_sample,
+            "vec": self.vec, "bx": self.bx, "block": self.block, "unroll": self.unroll,
+            "steps": chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4),
+            "chain_params": ["float a0"] + [f"float {p}" for p in params],
+            "epilogue_call": f"epilogue({', '.join(['v'] + params)})",
+            "kernel_params": [f"{types.get(p, 'const param_t*')} __restrict__ {p}" for p in self.pointers()]
+            + [f"index_t {i}" for i in ints] + ["float eps"] + [f"float {p}" for p in params],
+        }
+
+
+# -- layouts and argument checks -------------------------------------------------------------------
+
+class Layout(NamedTuple):
+    name: str    # "NCHW": each (n, c) plane contiguous | "NHWC": channels innermost
+    n: int
+    c: int
+    hw: int      # spatial size (1 for (N, C) inputs)
+
+
+def _dense(shape) -> list[int]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.insert(0, acc)
+        acc *= size
+    return out
+
+
+def layout_of(x: Operand, name: str = "x") -> Layout:
+    """NCHW or NHWC from x's strides (dims in N, C, spatial order); anything else is refused."""
+    check_operand(x, name)
+    if not 2 <= len(x.shape) <= 4:
+        raise UnsupportedError(f"{name}: shape {tuple(x.shape)} has {len(x.shape)} dims; channel norms take "
+                               "(N, C), (N, C, L) or (N, C, H, W)", arg=name)
+    n, c, spatial = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    hw = math.prod(spatial)
+    nchw = _dense(x.shape)
+    memory = _dense((n, *spatial, c))   # strides of (N, spatial..., C)
+    nhwc = [memory[0], 1] + memory[1:-1]
+
+    def fits(strides):
+        return all(st == want for st, want, size in zip(x.strides, strides, x.shape) if size > 1)
+
+    if hw > 1 and fits(nchw):
+        return Layout("NCHW", n, c, hw)
+    if fits(nhwc):
+        return Layout("NHWC", n, c, hw)
+    raise UnsupportedError(f"{name}: strides {tuple(x.strides)} of shape {tuple(x.shape)} are neither dense NCHW "
+                           f"{tuple(nchw)} nor dense NHWC {tuple(nhwc)}", arg=name)
+
+
+def _per_channel(args: dict, channels: int, *, what: str = "channels C", dtype: str | None = None) -> str | None:
+    """Check per-channel vectors (name -> Operand or None): shape (C,), one data type, dense;
+    return that data type."""
+    found = dtype
+    for name, op in args.items():
+        if op is None:
+            continue
+        if op.dtype not in DTYPES:
+            raise DTypeError(f"{name}: data type {op.dtype} is not one of {', '.join(DTYPES)}", arg=name)
+        if tuple(op.shape) != (channels,):
+            raise ValidationError(f"{name}: shape {tuple(op.shape)} does not match x's {what}={channels}: "
+                                  f"expected ({channels},)", arg=name)
+        if channels > 1 and tuple(op.strides) != (1,):
+            raise UnsupportedError(f"{name}: stride {tuple(op.strides)}; per-channel vectors must be "
+                                   "contiguous", arg=name)
+        if found is None:
+            found = op.dtype
+        elif op.dtype != found:
+            raise DTypeError(f"{name}: data type {op.dtype} differs from {found} of the other per-channel "
+                             "parameters (they share one type)", arg=name)
+    return found
+
+
+def _out_dtype(out_dtype, x: Operand, arg: str = "out_dtype") -> str:
+    out = out_dtype or x.dtype
+    if out not in DTYPES:
+        raise DTypeError(f"{arg}: {out} is not one of {', '.join(DTYPES)}", arg=arg)
+    return out
+
+
+def _float(value, name: str, *, positive: bool = False) -> float:
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool) or not (
+            math.isfinite(value) and (value > 0 if positive else True)):
+        raise ValidationError(f"{name}: {value!r} must be a finite{' positive' if positive else ''} number",
+                              arg=name)
+    return float(value)
+
+
+def _pair(a: Operand, b: Operand, names) -> None:
+    if tuple(a.shape) != tuple(b.shape) or tuple(a.strides) != tuple(b.strides) or a.dtype != b.dtype:
+        raise ValidationError(f"{names[0]}: shape {tuple(a.shape)}, strides {tuple(a.strides)}, {a.dtype} must equal "
+                              f"{names[1]}'s {tuple(b.shape)}, {tuple(b.strides)}, {b.dtype}", arg=names[0])
+
+
+# -- launches ---------------------------------------------------------------------------------------
+
+def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, param: str = "float32",
+            affine: bool = False, backward: bool = False, per_sample: bool = False, steps=(), params=(),
+            eps: float = 0.0, pointers: dict, extra_align: int = 16, tile=None) -> Launch:
+    itemsize = max(dtypes.BY_NAME[x.dtype].itemsize, dtypes.BY_NAME[out].itemsize)
+    layout = "row" if lay.name == "NCHW" else "col"
+    run = lay.hw if layout == "row" else lay.c
+    vec = 16 // itemsize
+    while vec > 1 and not (run % vec == 0 and all(a % (vec * s) == 0 for a, s in (
+            (x.align, dtypes.BY_NAME[x.dtype].itemsize), (out_align, dtypes.BY_NAME[out].itemsize),
+            (extra_align, dtypes.BY_NAME[x.dtype].itemsize)))):
+        vec //= 2
+    n = lay.n * lay.c * lay.hw
+    index = "int64" if n + 16 * 1024 * 8 >= 2 ** 31 - 1 else "int32"
+    if layout == "row":
+        lv = lay.hw // vec
+        unroll = tile.unroll if tile else 4
+        block = tile.block if tile else min(512, max(64, 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))))
+        bx = 32
+        grid = (lay.n * lay.c, -(-lv // (block * unroll)), 1)
+        ints = [lv, lay.c * (lay.n if per_sample else 1)]
+    else:
+        cv = lay.c // vec
+        bx = tile.bx if tile else min(32, 1 << math.ceil(math.log2(cv)))
+        block, unroll = (tile.block, tile.unroll) if tile else (256, 2 if backward else 4)
+        rows = lay.n * lay.hw
+        col_blocks = -(-cv // bx)
+        needed = -(-rows // (block // bx * unroll))
+        steps_per_block = -(-needed // max(1, RESIDENT_BLOCKS // col_blocks))
+        grid = (-(-needed // steps_per_block), col_blocks, 1)
+        ints = [rows, lay.c] + ([lay.hw] if per_sample else [])
+    spec = AffineSpec(input=x.dtype, output=out, param=param, source=source, affine=affine, backward=backward,
+                      layout=layout, per_sample=per_sample and layout == "col", steps=tuple(steps), vec=vec,
+                      index=index, bx=bx, block=block, unroll=unroll)
+    int_t = np.int32 if index == "int32" else np.int64
+    return Launch(spec, grid, (block, 1, 1), 0, tuple(pointers.get(p, p) for p in spec.pointers()),
+                  tuple(int_t(v) for v in ints) + tuple(np.float32(v) for v in (eps, *params)))
+
+
+def _stats(mode: str, param: str, affine: bool, update: bool, records, *, n: int, channels: int, group_size: int,
+           count: int, eps: float = 0.0, momentum: float = 0.0, pointers: dict) -> Launch:
+    spec = StatsSpec(mode=mode, param=param, affine=affine, update=update)
+    roles = {"part": records.role, **pointers}
+    return Launch(spec, (-(-n // (spec.block // 32)), 1, 1), (spec.block, 1, 1), 0, tuple(roles.get(p, p) for p in spec.pointers()),
+                  tuple(np.int64(v) for v in (n, channels, group_size, records.splits, records.stride_out,
+                                              records.stride_split))
+                  + (np.float32(count), np.float32(eps), np.float32(momentum)))
+
+
+def _stat_axes(x: Operand) -> tuple[int, ...]:
+    return (0,) + tuple(range(2, len(x.shape)))
+
+
+# -- plans ------------------------------------------------------------------------------------------
+
+def plan_batch_norm_inference(x: Operand, mean: Operand, var: Operand, gamma: Operand | None = None,
+                              beta: Operand | None = None, *, eps: float = 1e-5, epilogue=(), params=(),
+                              out_dtype: str | None = None, out_align: int = 16, tile=None) -> Plan:
+    """y = epilogue((x - mean) / sqrt(var + eps) * gamma + beta): one pass, no scratch. Roles "y"
+    (x's layout), "x", "mean", "var", and "gamma", "beta" when given (both or neither)."""
+    lay = layout_of(x)
+    if (gamma is None) != (beta is None):
+        raise ValidationError("gamma: give gamma and beta together (or neither)", arg="gamma" if gamma is None else "beta")
+    param = _per_channel({"mean": mean, "var": var, "gamma": gamma, "beta": beta}, lay.c)
+    steps = check_epilogue(epilogue, params)
+    launch = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="stats", param=param,
+                     affine=gamma is not None, steps=steps, params=params, eps=_float(eps, "eps", positive=True),
+                     pointers={}, tile=tile)
+    return Plan((launch,))
+
+
+def plan_batch_norm_training(x: Operand, gamma: Operand | None, beta: Operand | None,
+                             running_mean: Operand | None = None, running_var: Operand | None = None, *,
+                             eps: float = 1e-5, momentum: float = 0.1, epilogue=(), params=(),
+                             out_dtype: str | None = None, out_align: int = 16) -> Plan:
+    """Batch statistics over (N, spatial) per channel, then y = epilogue((x - mean) * invstd *
+    gamma + beta). Writes "saved_mean", "saved_invstd" (float32, (C,)) and updates
+    "running_mean" / "running_var" in place when given (unbiased variance, as PyTorch). Roles
+    "y", "x", "gamma", "beta", "running_mean", "running_var", "saved_mean", "saved_invstd";
+    scratch: the split records, then C float4 coefficients."""
+    lay = layout_of(x)
+    if (gamma is None) != (beta is None) or (running_mean is None) != (running_var is None):
+        raise ValidationError("gamma: give gamma with beta, and running_mean with running_var", arg="gamma")
+    param = _per_channel({"gamma": gamma, "beta": beta, "running_mean": running_mean,
+                          "running_var": running_var}, lay.c) or "float32"
+    count = lay.n * lay.hw
+    if count < 2:
+        raise ValidationError(f"x: training batch_norm needs more than one value per channel, got N*spatial = "
+                              f"{count} for shape {tuple(x.shape)}", arg="x")
+    steps = check_epilogue(epilogue, params)
+    eps, momentum = _float(eps, "eps", positive=True), _float(momentum, "momentum")
+    split = split_reduce("moments", "sum", x, _stat_axes(x), "float32")
+    coef = f"scratch{len(split.scratch)}"
+    stats = _stats("bn", param, gamma is not None, running_mean is not None, split.records, n=lay.c,
+                   channels=lay.c, group_size=1, count=count, eps=eps, momentum=momentum, pointers={"coef": coef})
+    apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", steps=steps, params=params,
+                    pointers={"coef": coef})
+    return Plan((*split.launches, stats, apply), (*split.scratch, 16 * lay.c))
+
+
+def plan_batch_norm_backward(dy: Operand, x: Operand, saved_mean: Operand, saved_invstd: Operand,
+                             gamma: Operand | None = None, *, dx_dtype: str | None = None,
+                             dx_align: int = 16) -> Plan:
+    """dx, and dgamma = sum dy * xhat, dbeta = sum dy (in gamma's type) when gamma is given, from
+    the saved float32 statistics of the forward. Roles "dx" (x's layout), "dy", "x",
+    "saved_mean", "saved_invstd", "gamma", "dgamma", "dbeta"; scratch: the split records,
+    then C float4 coefficients."""
+    lay = layout_of(x)
+    _pair(dy, x, ("dy", "x"))
+    _per_channel({"saved_mean": saved_mean, "saved_invstd": saved_invstd}, lay.c, dtype="float32")
+    param = _per_channel({"gamma": gamma}, lay.c) or "float32"
+    split = split_reduce("dydx", "sum", x, _stat_axes(x), "float32", dy=dy)
+    coef = f"scratch{len(split.scratch)}"
+    stats = _stats("bn_bwd", param, gamma is not None, False, split.records, n=lay.c, channels=lay.c,
+                   group_size=1, count=lay.n * lay.hw, pointers={"coef": coef})
+    apply = _affine(lay, x, _out_dtype(dx_dtype, x, "dx_dtype"), dx_align, source="coef", backward=True,
+                    pointers={"coef": coef, "y": "dx"}, extra_align=dy.align)
+    return Plan((*split.launches, stats, apply), (*split.scratch, 16 * lay.c))
+
+
+def plan_group_norm(x: Operand, groups: int, gamma: Operand | None = None, beta: Operand | None = None, *,
+                    eps: float = 1e-5, epilogue=(), params=(), out_dtype: str | None = None, out_align: int = 16,
+                    save_stats: bool = False) -> Plan:
+    """Statistics over (C / groups, spatial) per sample and group; y = epilogue((x - mean) *
+    invstd * gamma[c] + beta[c]). Roles "y", "x", "gamma", "beta", and with ``save_stats``
+    "saved_mean", "saved_invstd" (float32, (N, groups)); scratch: the split records,
+    N*C float4 coefficients (and the statistics when not saved)."""
+    lay = layout_of(x)
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValidationError(f"groups: {groups!r} must be a positive int", arg="groups")
+    if lay.c % groups:
+        raise ValidationError(f"groups: C={lay.c} is not divisible by groups={groups}", arg="groups")
+    if (gamma is None) != (beta is None):
+        raise ValidationError("gamma: give gamma and beta together (or neither)", arg="gamma")
+    param = _per_channel({"gamma": gamma, "beta": beta}, lay.c) or "float32"
+    steps = check_epilogue(epilogue, params)
+    cg = lay.c // groups
+    if lay.name == "NCHW":
+        view = Operand(x.dtype, (lay.n, groups, cg, lay.hw), (lay.c * lay.hw, cg * lay.hw, lay.hw, 1), x.align)
+    else:
+        view = Operand(x.dtype, (lay.n, groups, cg, lay.hw), (lay.hw * lay.c, cg, 1, lay.c), x.align)
+    split = split_reduce("moments", "sum", view, (2, 3), "float32")
+    k = len(split.scratch)
+    coef = f"scratch{k}"
+    scratch = [*split.scratch, 16 * lay.n * lay.c]
+    saved = {}
+    if not save_stats:
+        saved = {"saved_mean": f"scratch{k + 1}", "saved_invstd": f"scratch{k + 2}"}
+        scratch += [4 * lay.n * groups] * 2
+    stats = _stats("gn", param, gamma is not None, False, split.records, n=lay.n * lay.c, channels=lay.c,
+                   group_size=cg, count=cg * lay.hw, eps=_float(eps, "eps", positive=True),
+                   pointers={"coef": coef, **saved})
+    apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", per_sample=True, steps=steps,
+                    params=params, pointers={"coef": coef})
+    return Plan((*split.launches, stats, apply), tuple(scratch))
+
+
+def plan_instance_norm(x: Operand, gamma: Operand | None = None, beta: Operand | None = None, **kwargs) -> Plan:
+    """group_norm with one channel per group: statistics per sample and channel."""
+    if len(x.shape) < 2:
+        layout_of(x)
+    return plan_group_norm(x, x.shape[1], gamma, beta, **kwargs)

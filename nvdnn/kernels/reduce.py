@@ -1,0 +1,380 @@
+"""Reductions over any axes (sum, mean, max, min, amax, norm1, norm2, prod), and the split
+reduction the channel-statistics norms build on (kernels/batchnorm.py).
+
+After dropping size-1 dims and merging dims that walk memory together (kept dims in output
+order, reduced dims in any order), a request takes one of two kernels:
+  rows  templates/reduce/rows.cu.j2: each output combines runs along its innermost reduced
+        dim, VEC-wide loads where that dim is contiguous ("vec"), scalar strided loads
+        otherwise ("gat": the general case); a warp per short output, a block per long one;
+  cols  templates/reduce/cols.cu.j2: one reduced dim above a contiguous kept dim (reducing
+        the leading axes): threads along the kept dim, every warp reading whole rows.
+When outputs are too few to fill the GPU, blocks split the reduced space and write float32
+partials to scratch; a second launch combines them in a fixed order (deterministic, no
+atomics). Sizes and strides are kernel arguments; the spec keeps only dim counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import DTypeError, UnsupportedError, ValidationError
+from ..spec import KernelSpec, one_of
+from . import Launch, Plan
+from .pointwise import Operand
+
+# op -> (combine functor in templates/common/reduce_block.cuh, map of each element, finish)
+OPS = {
+    "sum": ("ReduceSum", "", ""), "mean": ("ReduceSum", "", "mean"),
+    "max": ("ReduceMax", "", ""), "min": ("ReduceMin", "", ""), "amax": ("ReduceMax", "abs", ""),
+    "norm1": ("ReduceSum", "abs", ""), "norm2": ("ReduceSum", "square", "sqrt"),
+    "prod": ("ReduceProd", "", ""),
+}
+# plain: OPS[op]; moments: [S1, S2, shift] of x - shift; dydx: [sum dy, sum dy * (x - mean)].
+KINDS = {"plain": 1, "moments": 3, "dydx": 2}   # kind -> floats per partial record
+STAGES = ("full", "partial", "final")            # final: combine float partials of a split
+DTYPES = ("float32", "float16", "bfloat16")
+BLOCKS = (32, 64, 128, 256, 512, 1024)
+UNROLLS = (1, 2, 4, 8)
+VECS = (1, 2, 4, 8)
+MAX_DIMS = 8
+TARGET_BLOCKS = 1024     # blocks a split reduction aims for: ~8 per SM of an H200 (132 SMs)
+_INT32_LIMIT = 2 ** 31 - 1
+
+
+def _check_common(spec) -> None:
+    one_of(spec.kind, tuple(KINDS), "kind")
+    one_of(spec.op, tuple(OPS), "op")
+    one_of(spec.stage, STAGES, "stage")
+    one_of(spec.input, DTYPES, "input")
+    one_of(spec.output, DTYPES, "output")
+    one_of(spec.vec, VECS, "vec")
+    one_of(spec.index, ("int32", "int64"), "index")
+    one_of(spec.block, BLOCKS, "block")
+    one_of(spec.unroll, UNROLLS, "unroll")
+    if spec.kind != "plain" and (spec.op != "sum" or spec.stage != "partial"):
+        raise ValidationError(f"kind: {spec.kind} sums into partial records (op='sum', stage='partial')",
+                              arg="kind")
+    if spec.stage == "partial" and spec.output != "float32":
+        raise ValidationError("output: partial records are float32", arg="output")
+    if spec.stage == "final" and spec.input != "float32":
+        raise ValidationError("input: a final stage reads float32 partials", arg="input")
+    if spec.vec * dtypes.BY_NAME[spec.input].itemsize > 16:
+        raise ValidationError(f"vec: {spec.vec} elements of {spec.input} exceed 16 bytes", arg="vec")
+
+
+def _context(spec, acc: str) -> dict:
+    combine, map_, finish = OPS[spec.op]
+    return {
+        "index_t": "int" if spec.index == "int32" else "long long",
+        "in_ctype": dtypes.BY_NAME[spec.input].ctype, "out_ctype": dtypes.BY_NAME[spec.output].ctype,
+        "combine": combine, "map": "" if spec.stage == "final" else map_,
+        "vec": spec.vec, "block": spec.block, "unroll": spec.unroll, "kind": spec.kind, "stage": spec.stage,
+        "nacc": min(KINDS[spec.kind], 2), "nrec": KINDS[spec.kind],
+        "finish": {"": acc, "mean": f"{acc} * inv_count", "sqrt": f"sqrtf({acc})"}[finish],
+    }
+
+
+def _pointer_params(spec) -> list[str]:
+    out = ["float* __restrict__ part" if spec.stage == "partial" else "out_t* __restrict__ y"]
+    if spec.kind == "dydx":
+        out.append("const in_t* __restrict__ dy")
+    out.append("const in_t* __restrict__ x")
+    if spec.kind == "dydx":
+        out.append("const float* __restrict__ mean")
+    return out
+
+
+def _kind_uri(spec) -> str:
+    return (f"{spec.kind}.{spec.op}/{spec.stage}/{dtypes.BY_NAME[spec.input].short}"
+            f"->{dtypes.BY_NAME[spec.output].short}")
+
+
+@dataclass(frozen=True)
+class RowReduceSpec(KernelSpec):
+    family = "reduce_rows"
+    template = "reduce/rows.cu.j2"
+
+    kind: str
+    op: str
+    stage: str
+    input: str
+    output: str
+    access: str      # "vec": contiguous innermost reduced dim; "gat": strided scalar loads
+    kdims: int       # kept dims (output o -> input offset)
+    rdims: int       # reduced dims outside the innermost run
+    vec: int
+    index: str
+    group: int = 256  # threads per output: 32 (a warp) or the block
+    block: int = 256
+    unroll: int = 4
+
+    def validate(self) -> None:
+        _check_common(self)
+        one_of(self.access, ("vec", "gat"), "access")
+        if self.access == "gat" and self.vec != 1:
+            raise ValidationError("vec: strided ('gat') loads are scalar", arg="vec")
+        for name in ("kdims", "rdims"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value < MAX_DIMS:
+                raise ValidationError(f"{name}: {value!r} outside 0..{MAX_DIMS - 1}", arg=name)
+        if self.block < 64:
+            raise ValidationError(f"block: rows kernels take 64 to 1024 threads, got {self.block}", arg="block")
+        one_of(self.group, (32, self.block), "group")
+
+    @property
+    def uri(self) -> str:
+        return (f"reduce_rows/{_kind_uri(self)}/{self.access}.k{self.kdims}r{self.rdims}"
+                f"/v{self.vec}.{self.index}.g{self.group}b{self.block}u{self.unroll}")
+
+    def render_context(self) -> dict:
+        ints = ["n_out", "n_inner", "lv", "total", "chunk"] + (["istride"] if self.access == "gat" else [])
+        ints += [f"ks{d}" for d in range(1, self.kdims)] + [f"kst{d}" for d in range(self.kdims)]
+        ints += [f"rs{d}" for d in range(1, self.rdims)] + [f"rst{d}" for d in range(self.rdims)]
+        return dict(_context(self, "acc[0]"), group=self.group, access=self.access, kdims=self.kdims,
+                    rdims=self.rdims, tail=self.access == "vec" and self.rdims == 0 and self.vec > 1,
+                    kernel_params=_pointer_params(self) + [f"index_t {n}" for n in ints] + ["float inv_count"])
+
+
+@dataclass(frozen=True)
+class ColReduceSpec(KernelSpec):
+    family = "reduce_cols"
+    template = "reduce/cols.cu.j2"
+
+    kind: str
+    op: str
+    stage: str
+    input: str
+    output: str
+    vec: int
+    index: str
+    bx: int = 32      # threads along the contiguous kept dim; block / bx along the reduced dim
+    block: int = 256
+    unroll: int = 4
+
+    def validate(self) -> None:
+        _check_common(self)
+        one_of(self.bx, (1, 2, 4, 8, 16, 32), "bx")
+        if self.bx * 2 > self.block:
+            raise ValidationError(f"bx: {self.bx} columns leave fewer than two rows in a block of "
+                                  f"{self.block}", arg="bx")
+        floats = min(KINDS[self.kind], 2) * self.vec * self.block
+        if floats * 4 > 48 * 1024:
+            raise ValidationError(f"block: {self.block} threads x {self.vec} columns need {floats * 4} bytes "
+                                  "of shared memory (limit 48 KiB)", arg="block")
+
+    @property
+    def uri(self) -> str:
+        return f"reduce_cols/{_kind_uri(self)}/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}"
+
+    def render_context(self) -> dict:
+        ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"]
+        return dict(_context(self, "acc[0][j]"), bx=self.bx,
+                    kernel_params=_pointer_params(self) + [f"index_t {n}" for n in ints] + ["float inv_count"])
+
+
+# -- planning ---------------------------------------------------------------------------------------
+
+class Records(NamedTuple):
+    """Where a split reduction left its partial records: record (out, split) is at
+    (out * stride_out + split * stride_split) * KINDS[kind] floats into scratch ``role``."""
+    role: str
+    splits: int
+    stride_out: int
+    stride_split: int
+
+
+class Split(NamedTuple):
+    launches: list
+    scratch: list        # byte sizes, the plan's scratch buffers from ``first_scratch`` on
+    records: Records | None
+
+
+def normalize_axes(axes, ndim: int, *, arg: str = "axes") -> tuple[int, ...]:
+    """Axes as sorted non-negative ints; None means every axis."""
+    if axes is None:
+        return tuple(range(ndim))
+    if isinstance(axes, (int, np.integer)):
+        axes = (axes,)
+    out = []
+    for a in axes:
+        if not isinstance(a, (int, np.integer)) or isinstance(a, bool):
+            raise ValidationError(f"{arg}: {a!r} is not an int", arg=arg)
+        if not -ndim <= a < ndim:
+            raise ValidationError(f"{arg}: axis {a} is out of range for a tensor of {ndim} dims "
+                                  f"(allowed {-ndim}..{ndim - 1})" if ndim else
+                                  f"{arg}: axis {a} given for a 0-d tensor", arg=arg)
+        a = int(a) % ndim
+        if a in out:
+            raise ValidationError(f"{arg}: axis {a} is repeated in {tuple(axes)}", arg=arg)
+        out.append(a)
+    return tuple(sorted(out))
+
+
+def output_shape(shape, axes, keepdims: bool = False) -> tuple[int, ...]:
+    """The result shape of reducing ``axes`` (normalized) of ``shape``."""
+    return tuple(1 if a in axes else s for a, s in enumerate(shape) if keepdims or a not in axes)
+
+
+def check_operand(x: Operand, name: str) -> None:
+    if x.dtype not in DTYPES:
+        raise DTypeError(f"{name}: data type {x.dtype} is not supported by reductions "
+                         f"(use one of {', '.join(DTYPES)})", arg=name)
+    if len(x.strides) != len(x.shape):
+        raise ValidationError(f"{name}: {len(x.strides)} strides for {len(x.shape)} dims", arg=name)
+    if len(x.shape) > MAX_DIMS:
+        raise UnsupportedError(f"{name}: {len(x.shape)} dims; reductions take at most {MAX_DIMS}", arg=name)
+    for axis, size in enumerate(x.shape):
+        if size == 0:
+            raise ValidationError(f"{name}: dim {axis} of shape {tuple(x.shape)} is empty; reductions need "
+                                  "non-empty tensors (short-circuit empty ones before planning)", arg=name)
+
+
+def _merge(dims):
+    """Merge neighbours (outer first) whose strides chain: outer stride == inner stride * size."""
+    out = []
+    for size, stride in dims:
+        if out and out[-1][1] == stride * size:
+            out[-1] = (out[-1][0] * size, stride)
+        else:
+            out.append((size, stride))
+    return out
+
+
+def _vec_for(itemsize: int, aligns, multiples) -> int:
+    """The widest vector (16 bytes at most) every address and every stride keeps aligned."""
+    vec = 16 // itemsize
+    while vec > 1 and not (all(a % (vec * itemsize) == 0 for a in aligns) and all(m % vec == 0 for m in multiples)):
+        vec //= 2
+    return vec
+
+
+def _index(*extents) -> str:
+    return "int64" if max(extents) >= _INT32_LIMIT else "int32"
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _splits(total: int, blocks: int, per_split_min: int) -> tuple[int, int]:
+    """(splits, chunk): enough splits to bring ``blocks`` up to TARGET_BLOCKS, each at least
+    ``per_split_min`` units of the ``total`` per output."""
+    want = max(1, min(_cdiv(TARGET_BLOCKS, blocks), total // max(1, per_split_min), 65535))
+    chunk = max(1, _cdiv(total, want))
+    return max(1, _cdiv(total, chunk)), chunk
+
+
+def _args(index: str, ints, floats=()) -> tuple:
+    int_t = np.int32 if index == "int32" else np.int64
+    return tuple(int_t(v) for v in ints) + tuple(np.float32(f) for f in floats)
+
+
+def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtype: str, *,
+                 first_scratch: int = 0, dy: Operand | None = None, tile=None, split: bool = True) -> Split:
+    """Launches that reduce ``axes`` of ``x`` (normalized, checked). Plain kinds end in "y";
+    moments and dydx end as partial records in scratch (see Records) for a statistics kernel.
+    ``dy`` (dydx only) shares x's shape and strides."""
+    reduced = set(axes)
+    kept = _merge([(s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a not in reduced])
+    red = _merge(sorted(((s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a in reduced),
+                        key=lambda d: -abs(d[1])))
+    n_out = math.prod(s for s, _ in kept)
+    count = math.prod(s for s, _ in red)
+    itemsize = dtypes.BY_NAME[x.dtype].itemsize
+    aligns = [x.align] + ([dy.align] if dy is not None else [])
+    extent = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.strides)) + 1
+    part_role = f"scratch{first_scratch}"
+    use_cols = not (red and red[-1][1] == 1) and kept and kept[-1][1] == 1 and len(red) == 1 and len(kept) <= 2
+    if tile is not None and isinstance(tile, ColReduceSpec) != bool(use_cols):
+        raise ValidationError(f"tile: this reduction runs the {'column' if use_cols else 'row'} kernel, "
+                              f"not {tile.family}", arg="tile")
+    tensors = ("dy", "x", "saved_mean") if kind == "dydx" else ("x",)
+    inv_count = 1.0 / count
+
+    if use_cols:
+        outer, inner = (kept[0] if len(kept) == 2 else (1, 0)), kept[-1]
+        rows, rstride = red[0]
+        vec = _vec_for(itemsize, aligns, [inner[0], rstride, outer[1]])
+        if tile is not None:
+            bx, block, unroll = tile.bx, tile.block, tile.unroll
+        else:
+            bx = min(32, _pow2_at_least(inner[0] // vec))
+            block = max(64, bx * min(256 // bx, _pow2_at_least(rows)))
+            unroll = 4
+        ncb = _cdiv(inner[0] // vec, bx)
+        splits, rchunk = _splits(rows, outer[0] * ncb, (block // bx) * unroll * 2) if split else (1, rows)
+        stage = "full" if kind == "plain" and splits == 1 else "partial"
+        index = _index(extent + block * unroll * rstride, splits * n_out * KINDS[kind])
+        spec = ColReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
+                             output=out_dtype if stage == "full" else "float32", vec=vec, index=index,
+                             bx=bx, block=block, unroll=unroll)
+        target = "y" if stage == "full" else part_role
+        launch = Launch(spec, (outer[0] * ncb, splits, 1), (block, 1, 1), 0, (target, *tensors),
+                        _args(index, [outer[0], rows, inner[0], outer[1], rstride, rchunk, ncb], [inv_count]))
+        records = Records(part_role, splits, 1, n_out)
+    else:
+        if red and red[-1][1] == 1:
+            access, (length, istride), outer_dims = "vec", red[-1], red[:-1]
+        else:
+            access, (length, istride), outer_dims = "gat", (red[-1] if red else (1, 1)), red[:-1]
+        vec = 1 if access == "gat" else _vec_for(
+            itemsize, aligns, [st for _, st in kept + outer_dims] + ([length] if outer_dims else []))
+        lv = length // vec
+        total = math.prod(s for s, _ in outer_dims) * lv
+        if tile is not None:
+            group, block, unroll = (32 if tile.group == 32 else tile.block), tile.block, tile.unroll
+        else:
+            block, unroll = 256, 4
+            group = 32 if total <= 512 else block
+        if group == 32 or not split:
+            splits, chunk = 1, max(total, 1)
+        else:
+            splits, chunk = _splits(total, n_out, block * unroll * 2)
+        stage = "full" if kind == "plain" and splits == 1 else "partial"
+        index = _index(extent + 2 * block * unroll * max(vec, abs(istride)), n_out * splits * KINDS[kind])
+        spec = RowReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
+                             output=out_dtype if stage == "full" else "float32", access=access,
+                             kdims=len(kept), rdims=len(outer_dims), vec=vec, index=index, group=group,
+                             block=block, unroll=unroll)
+        ints = [n_out, length, lv, total, chunk] + ([istride] if access == "gat" else [])
+        ints += [s for s, _ in kept[1:]] + [st for _, st in kept]
+        ints += [s for s, _ in outer_dims[1:]] + [st for _, st in outer_dims]
+        target = "y" if stage == "full" else part_role
+        launch = Launch(spec, (_cdiv(n_out, block // group), splits, 1), (block, 1, 1), 0, (target, *tensors),
+                        _args(index, ints, [inv_count]))
+        records = Records(part_role, splits, splits, 1)
+
+    launches, scratch = [launch], []
+    if spec.stage == "partial":
+        scratch.append(4 * KINDS[kind] * n_out * records.splits)
+    if kind != "plain":
+        return Split(launches, scratch, records)
+    if spec.stage == "partial":  # combine the partials: a float32 (n_out, splits) or (splits, n_out) view
+        partials = Operand("float32", (n_out, records.splits), (records.stride_out, records.stride_split), 16)
+        f = split_reduce("plain", op, partials, (1,), out_dtype, split=False).launches[0]
+        f_spec = dataclasses.replace(f.spec, stage="final", input="float32")
+        launches.append(f._replace(spec=f_spec, pointers=("y", part_role), args=f.args[:-1] + (np.float32(inv_count),)))
+    return Split(launches, scratch, None)
+
+
+def plan_reduce(op: str, x: Operand, axes=None, *, out_dtype: str | None = None, tile=None) -> Plan:
+    """Reduce ``axes`` of ``x`` (None: all) with ``op``; pointer roles "y" (contiguous, the kept
+    dims in order: keepdims only changes its shape), "x" and "scratch<k>"."""
+    one_of(op, tuple(OPS), "op")
+    check_operand(x, "x")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in DTYPES:
+        raise DTypeError(f"out_dtype: {out_dtype} is not one of {', '.join(DTYPES)}", arg="out_dtype")
+    if tile is not None and not isinstance(tile, (RowReduceSpec, ColReduceSpec)):
+        raise ValidationError(f"tile: expected a reduce spec, got {type(tile).__name__}", arg="tile")
+    split = split_reduce("plain", op, x, normalize_axes(axes, len(x.shape)), out_dtype, tile=tile)
+    return Plan(tuple(split.launches), tuple(split.scratch))
