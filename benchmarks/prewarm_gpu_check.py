@@ -37,6 +37,9 @@ def gpu_test_graphs(arch):
     yield bias_gelu_graph(arch, rows=64), "heuristic"
     yield bias_gelu_graph(arch, rows=1, width=1024), "heuristic"
     yield bias_gelu_graph(arch, rows=16384), "all"
+    for dtype in ("float32", "bfloat16"):  # tests/test_gpu_graph.py: every tile candidate
+        for rows, width in ((1, 4096), (7, 1600), (33, 4104), (1001, 2048)):
+            yield bias_gelu_graph(arch, rows=rows, width=width, dtype=dtype), "all"
     for name, dtype, shape, bias in (("gelu", "bfloat16", [16384, 4096], None),
                                      ("gelu", "bfloat16", [16384, 4096], [1, 4096]),
                                      ("relu", "float32", [32, 256, 56, 56], [1, 256, 1, 1])):

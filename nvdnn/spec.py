@@ -88,10 +88,12 @@ class KernelSpec:
             raise ValidationError(f"spec.family: unknown family {data.get('family')!r}; "
                                   f"known: {', '.join(sorted(FAMILIES))}", arg="spec.family")
         names = {f.name for f in dataclasses.fields(cls)}
+        # a field added later has a default that keeps the older kernel: older recordings still load
+        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         fields = data["fields"]
-        if set(fields) != names:
-            raise ValidationError(f"spec.fields: {cls.family} takes exactly {sorted(names)}, "
-                                  f"got {sorted(fields)}", arg="spec.fields")
+        if not names - optional <= set(fields) <= names:
+            raise ValidationError(f"spec.fields: {cls.family} takes {sorted(names - optional)} and optionally "
+                                  f"{sorted(optional)}, got {sorted(fields)}", arg="spec.fields")
         try:
             return cls(**{k: _tuples(v) for k, v in fields.items()})
         except (TypeError, ValueError) as exc:

@@ -192,3 +192,20 @@ def test_autotune_picks_at_least_the_heuristic_and_a_new_process_reuses_it():
     device["y"].fill(np.nan)
     g.execute(device)
     _compare(g, device, host, "bfloat16", "tuned plan")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows, width", [(1, 4096), (7, 1600), (33, 4104), (1001, 2048)])
+def test_every_tile_candidate_of_a_bias_chain_is_exact(dtype, rows, width):
+    """Row tiles (partial column blocks, row counts not a multiple of the unroll) and flat tiles
+    alike give the same correct result."""
+    g = bias_gelu_graph(rows=rows, width=width, dtype=dtype)
+    g.validate().build_operation_graph().create_execution_plans().check_support()
+    specs = g.candidates[0]
+    assert any(s.row_tiles for s in specs) and any(not s.row_tiles for s in specs)
+    x, x64 = random((rows, width), dtype, -3, 3)
+    b, b64 = random((1, width), dtype, -3, 3)
+    for index in range(g.get_execution_plan_count()):
+        y = poisoned((rows, width), dtype)
+        g.execute_plan_at_index({"x": x, "b": b, "y": y}, index=index)
+        check(y, nvdnn.reference.gelu(x64 + b64), dtype, f"candidate {index}: {specs[index].uri}")

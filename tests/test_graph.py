@@ -1002,7 +1002,9 @@ def test_plan_count_and_index_out_of_range():
         g.build_plan_at_index(0)
     g.validate().build_operation_graph().create_execution_plans().check_support()
     count = g.get_execution_plan_count()
-    assert count == len(g.candidates[0]) == 1 + len(nvdnn.kernels.pointwise.TILES)  # heuristic, then tiles
+    pw = nvdnn.kernels.pointwise
+    assert not g.candidates[0][0].row_tiles  # 16 vectors per row: too narrow for row tiles by default
+    assert count == len(g.candidates[0]) == 1 + len(pw.TILES) + len(pw.ROW_TILES)  # heuristic, then tiles
     for bad in (count, count + 1, -1, 1.5, "0", None, True):
         with pytest.raises(ValidationError, match="index") as info:
             g.build_plan_at_index(bad)

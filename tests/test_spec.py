@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -296,3 +297,31 @@ def test_fast_divisor_matches_integer_division(d):
     n = n[n < 2 ** 31]
     q = (((n * np.uint64(mul)) >> np.uint64(32)) + n) >> np.uint64(shr)  # the kernel's umulhi, add, shift
     assert (q == n // np.uint64(d)).all()
+
+
+def test_a_wide_bias_takes_row_tiles_and_keeps_them_at_other_row_counts():
+    steps = [("add", "x1"), ("gelu", "")]
+    wide = plan(steps, [op("bfloat16", (16384, 4096)), op("bfloat16", (4096,))], "bfloat16")
+    assert wide.spec.row_tiles and wide.spec.uri.endswith(".rows")
+    assert wide.grid == (16384 // wide.spec.unroll, 4096 // 8 // wide.spec.block, 1)
+    assert len(wide.int_args) == 3  # n, rows, cols: no divisor magic
+    one_row = plan(steps, [op("bfloat16", (1, 4096)), op("bfloat16", (4096,))], "bfloat16",
+                   tile=wide.spec, pattern=pointwise.Pattern.of((16384, 4096), [(16384, 4096), (1, 4096)]))
+    assert one_row.spec == wide.spec and one_row.grid == (1, 4096 // 8 // wide.spec.block, 1)
+    narrow = plan(steps, [op("bfloat16", (16384, 64)), op("bfloat16", (64,))], "bfloat16")
+    assert not narrow.spec.row_tiles
+    nchw = plan([("add", "x1")], [op("float16", (2, 64, 8, 8)), op("float16", (64, 1, 1))], "float16")
+    assert all(not s.row_tiles for s in pointwise.candidates(nchw.spec))  # a per-channel scalar: no row
+
+
+def test_row_tiles_refuse_operands_that_are_not_one_row():
+    base = plan([("add", "x1")], [op("float32", (64, 128)), op("float32", (64, 128), strides=(1, 64))],
+                "float32").spec
+    with pytest.raises(ValidationError, match="row_tiles"):
+        dataclasses.replace(base, row_tiles=True)
+
+
+def test_from_dict_fills_a_later_field_with_its_default(data):
+    """A recording made before a field existed loads as the kernel it described."""
+    del data["fields"]["row_tiles"]
+    assert KernelSpec.from_dict(data).row_tiles is False

@@ -75,6 +75,7 @@ class PointwiseSpec(KernelSpec):
     unroll: int = 4
     min_blocks: int = 2          # __launch_bounds__ occupancy hint: registers <= 64K / (block * min_blocks)
     l2_prefetch: bool = False    # streamed operands: 16-byte loads that skip L1 and fetch 256 B into L2
+    row_tiles: bool = False      # (rows, cols) walked down the rows, a broadcast row kept in registers
 
     def validate(self) -> None:
         if not self.steps:
@@ -119,6 +120,11 @@ class PointwiseSpec(KernelSpec):
         one_of(self.unroll, UNROLLS, "unroll")
         one_of(self.min_blocks, MIN_BLOCKS, "min_blocks")
         one_of(self.l2_prefetch, (False, True), "l2_prefetch")
+        one_of(self.row_tiles, (False, True), "row_tiles")
+        if self.row_tiles and not row_tiles_fit(self.ndim, self.access, self.zero):
+            raise ValidationError("row_tiles: needs 2 coalesced dims and operands that are linear or one row "
+                                  f"broadcast down the rows (access vec, mask 10); got {self.access} {self.zero}",
+                                  arg="row_tiles")
         if self.block * self.min_blocks > 2048:
             raise ValidationError(f"min_blocks: {self.min_blocks} blocks of {self.block} threads exceed 2048 "
                                   "threads per multiprocessor", arg="min_blocks")
@@ -138,11 +144,11 @@ class PointwiseSpec(KernelSpec):
                        for d, a, z in zip(self.inputs, self.access, self.zero))
         return (f"pointwise/{chain}/in={ins}/out={dtypes.BY_NAME[self.output].short}"
                 f"/v{self.vec}.{self.index}.b{self.block}u{self.unroll}m{self.min_blocks}"
-                + (".l2pf" if self.l2_prefetch else ""))
+                + (".l2pf" if self.l2_prefetch else "") + (".rows" if self.row_tiles else ""))
 
     def divided_dims(self) -> range:
         """Dims whose size an int32 kernel divides by through a multiply-high (fast_divisor)."""
-        return range(1, self.ndim) if self.index == "int32" else range(0)
+        return range(1, self.ndim) if self.index == "int32" and not self.row_tiles else range(0)
 
     def stride_args(self) -> list[tuple[int, int]]:
         """(input, dim) of every stride the kernel takes, in argument order."""
@@ -170,12 +176,13 @@ class PointwiseSpec(KernelSpec):
                            "last_stride": f"s{i}_{self.ndim - 1}" if access == "gat" else ""})
         steps = chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4)
         params = [f"float p{k}" for k in range(self.n_params)]
-        value = {"lin": "in{i}[u].v[j]", "vec": "in{i}[u].v[j]", "bc": "in{i}[u].v[j]", "gat": "in{i}[u].v[j]"}
+        value = {"lin": "in{i}[u].v[j]", "vec": "row{i}.v[j]" if self.row_tiles else "in{i}[u].v[j]",
+                 "bc": "in{i}[u].v[j]", "gat": "in{i}[u].v[j]"}
         tail = {"lin": "x{i}[e]", "vec": "x{i}[off{i}]", "bc": "x{i}[off{i}]", "gat": "x{i}[off{i}]"}
         return {
             "index_t": index_t, "out_ctype": dtypes.BY_NAME[self.output].ctype,
             "vec": self.vec, "block": self.block, "unroll": self.unroll, "ndim": self.ndim,
-            "min_blocks": self.min_blocks,
+            "min_blocks": self.min_blocks, "row_tiles": self.row_tiles,
             "inputs": inputs, "steps": steps,
             "chain_params": [f"float a{i}" for i in range(len(self.inputs))] + params,
             "kernel_params": ["out_t* __restrict__ y"]
@@ -286,11 +293,23 @@ def _coalesce(shape, stride_sets, keep=frozenset()):
                                     for k in range(len(stride_sets))]
 
 
-def _heuristic(nvec: int) -> tuple[int, int, int, bool]:
-    """(block, unroll, min_blocks, l2_prefetch). Measured on an H200 (benchmarks/RESULTS.md): two
-    vectors per thread at up to 64 registers beat four at 128 on GELU by 13%, and equal them on
-    light chains; small tensors take one vector per thread for more blocks."""
-    return (256, 2, 4, False) if nvec >= (1 << 20) else (256, 1, 4, False)
+def row_tiles_fit(ndim: int, access, zero) -> bool:
+    """Whether the row-tile loop can run a chain: a (rows, cols) output, every operand linear or
+    one row broadcast down the rows."""
+    return ndim == 2 and all(a == "lin" or (a == "vec" and z == "10") for a, z in zip(access, zero))
+
+
+MAX_GRID_Y = 65535
+ROW_TILE_MIN_COLS = 128  # vectors per row below which row tiles would leave threads idle
+
+
+def _heuristic(nvec: int, row_cols: int | None) -> tuple[int, int, int, bool, bool]:
+    """(block, unroll, min_blocks, l2_prefetch, row_tiles). Measured on an H200
+    (benchmarks/RESULTS.md): two vectors per thread at up to 64 registers beat four at 128 on
+    GELU by 13%, and equal them on light chains; small tensors take one vector per thread for
+    more blocks; a broadcast row kept in registers saves its load, conversion and index math."""
+    unroll = 2 if nvec >= (1 << 20) else 1
+    return 256, unroll, 4, False, row_cols is not None and row_cols >= ROW_TILE_MIN_COLS
 
 
 def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None = None,
@@ -343,22 +362,29 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
             and all(all(s % vec == 0 for s in st[:-1]) for st, a in zip(in_strides, access) if a == "vec")):
         vec //= 2
     max_offset = max([n] + [sum((sz - 1) * abs(s) for sz, s in zip(sizes, st)) for st in in_strides])
-    block, unroll, min_blocks, l2_prefetch = (_heuristic(n // vec) if tile is None else
-                                              (tile.block, tile.unroll, tile.min_blocks, tile.l2_prefetch))
+    fits = row_tiles_fit(ndim, access, zero)
+    row_cols = sizes[1] // vec if fits else None
+    block, unroll, min_blocks, l2_prefetch, row_tiles = (
+        _heuristic(n // vec, row_cols) if tile is None else
+        (tile.block, tile.unroll, tile.min_blocks, tile.l2_prefetch, tile.row_tiles and fits))
+    if row_tiles and -(-row_cols // block) > MAX_GRID_Y:
+        row_tiles = False
     index = "int64" if max_offset + block * unroll * vec >= _INT32_LIMIT else "int32"
     spec = PointwiseSpec(steps=tuple(steps), inputs=tuple(op.dtype for op in operands),
                          access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
                          index=index, block=block, unroll=unroll, min_blocks=min_blocks,
-                         l2_prefetch=l2_prefetch)
+                         l2_prefetch=l2_prefetch, row_tiles=row_tiles)
     index_t = np.int64 if index == "int64" else np.int32
     magic = [np.uint32(v) for d in spec.divided_dims() for v in fast_divisor(sizes[d])]
     stride_args = [index_t(in_strides[i][d]) for i, d in spec.stride_args()]
-    return Launch(spec, grid_for(spec, n), (block, 1, 1),
+    return Launch(spec, grid_for(spec, n, sizes), (block, 1, 1),
                   (index_t(n), *map(index_t, sizes), *magic, *stride_args), n)
 
 
-def grid_for(spec: PointwiseSpec, n: int) -> tuple[int, int, int]:
-    """One block per tile of block * unroll vectors."""
+def grid_for(spec: PointwiseSpec, n: int, sizes) -> tuple[int, int, int]:
+    """One block per tile of block * unroll vectors; row tiles: unroll rows by block column vectors."""
+    if spec.row_tiles:
+        return (max(1, -(-sizes[0] // spec.unroll)), -(-(sizes[1] // spec.vec) // spec.block), 1)
     return (max(1, -(-(n // spec.vec) // (spec.block * spec.unroll))), 1, 1)
 
 
@@ -377,9 +403,17 @@ TILES = tuple((b, u, m, p) for p in (False, True)
               for b, u, m in ((256, 2, 4), (256, 4, 2), (128, 4, 4), (512, 2, 2), (256, 1, 8), (512, 1, 4)))
 
 
+ROW_TILES = ((256, 2, 4), (256, 4, 2), (128, 4, 4), (512, 2, 2), (256, 1, 8))
+
+
 def candidates(spec: PointwiseSpec) -> list[PointwiseSpec]:
     """Tile variants of one spec, for autotuning: same chain and access, other loop shape."""
-    return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, l2_prefetch=p) for b, u, m, p in TILES]
+    flat = [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, l2_prefetch=p, row_tiles=False)
+            for b, u, m, p in TILES]
+    if not row_tiles_fit(spec.ndim, spec.access, spec.zero):
+        return flat
+    return flat + [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, l2_prefetch=False, row_tiles=True)
+                   for b, u, m in ROW_TILES]
 
 
 # -- presets: what `nvdnn warm --preset pointwise` compiles ---------------------------------------
@@ -424,5 +458,10 @@ def preset() -> list[PointwiseSpec]:
             chain = [("add", "x1")] + ([(act, "")] if act != "identity" else [])
             add(chain, nchw, dt)
             add(chain, nhwc, dt)
+        def linear(rows, dt=dt):  # (rows, features) with a bias per feature: row tiles
+            return [Operand(dt, (rows // 4, 4096), (4096, 1)), Operand(dt, (4096,), (1,))]
+
+        for act in ACTIVATIONS:
+            add([("add", "x1")] + ([(act, "")] if act != "identity" else []), linear, dt)
         add([("add", "x1"), ("gelu", ""), ("mul", "p")], nhwc, dt)
     return list(specs)
