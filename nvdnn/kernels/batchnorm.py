@@ -32,7 +32,7 @@ from .reduce import DTYPES, KINDS, check_operand, split_reduce
 
 STATS_MODES = ("bn", "gn", "bn_bwd")
 AFFINE_BLOCKS = (64, 128, 256, 512)
-RESIDENT_BLOCKS = 528    # grid of a grid-stride affine pass: 4 blocks of 256 threads x 132 SMs (H200)
+SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
 MAX_EPILOGUE = 8
 
 
@@ -121,6 +121,7 @@ class AffineSpec(KernelSpec):
     bx: int = 32         # col layout: threads along channels
     block: int = 256
     unroll: int = 4
+    min_blocks: int = 1  # __launch_bounds__ occupancy hint (grid-strided col layout: fill every SM)
 
     def validate(self) -> None:
         for name in ("input", "output", "param"):
@@ -135,6 +136,10 @@ class AffineSpec(KernelSpec):
         one_of(self.bx, (1, 2, 4, 8, 16, 32), "bx")
         one_of(self.block, AFFINE_BLOCKS, "block")
         one_of(self.unroll, (1, 2, 4, 8), "unroll")
+        one_of(self.min_blocks, (1, 2, 4, 8), "min_blocks")
+        if self.block * self.min_blocks > 2048:
+            raise ValidationError(f"min_blocks: {self.min_blocks} blocks of {self.block} threads exceed 2048 "
+                                  "threads per multiprocessor", arg="min_blocks")
         if self.source == "coef" and (self.param != "float32" or self.affine):
             raise ValidationError("param: coefficient records are float32 and already affine", arg="param")
         if self.backward and (self.source != "coef" or self.steps):
@@ -155,7 +160,7 @@ class AffineSpec(KernelSpec):
         short = {d: dtypes.BY_NAME[d].short for d in DTYPES}
         return (f"reduce_affine/{what}/{self.layout}{'.sample' if self.per_sample else ''}/{chain}"
                 f"/{short[self.input]}->{short[self.output]}.p{short[self.param]}"
-                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}")
+                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}m{self.min_blocks}")
 
     def pointers(self) -> list[str]:
         lead = ["y"] + (["dy"] if self.backward else []) + ["x"]
@@ -175,6 +180,7 @@ class AffineSpec(KernelSpec):
             "param_ctype": dtypes.BY_NAME[self.param].ctype, "source": self.source, "affine": self.affine,
             "backward": self.backward, "layout": self.layout, "per_sample": self.per_sample,
             "vec": self.vec, "bx": self.bx, "block": self.block, "unroll": self.unroll,
+            "min_blocks": self.min_blocks,
             "steps": chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4),
             "chain_params": ["float a0"] + [f"float {p}" for p in params],
             "epilogue_call": f"epilogue({', '.join(['v'] + params)})",
@@ -286,22 +292,26 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
         lv = lay.hw // vec
         unroll = tile.unroll if tile else 4
         block = tile.block if tile else min(512, max(64, 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))))
-        bx = 32
+        bx, min_blocks = 32, tile.min_blocks if tile else 1
         grid = (lay.n * lay.c, -(-lv // (block * unroll)), 1)
         ints = [lv, lay.c * (lay.n if per_sample else 1)]
     else:
         cv = lay.c // vec
         bx = tile.bx if tile else min(32, 1 << math.ceil(math.log2(cv)))
-        block, unroll = (tile.block, tile.unroll) if tile else (256, 2 if backward else 4)
+        if tile:
+            block, unroll, min_blocks = tile.block, tile.unroll, tile.min_blocks
+        else:  # 64 registers for 4 blocks of 256 per SM; bf16 conversions and per-sample loads need unroll 2
+            block, min_blocks = 256, 2 if backward else 4
+            unroll = 2 if backward or per_sample or x.dtype == "bfloat16" or out == "bfloat16" else 4
         rows = lay.n * lay.hw
         col_blocks = -(-cv // bx)
         needed = -(-rows // (block // bx * unroll))
-        steps_per_block = -(-needed // max(1, RESIDENT_BLOCKS // col_blocks))
+        steps_per_block = -(-needed // max(1, SMS * min_blocks // col_blocks))
         grid = (-(-needed // steps_per_block), col_blocks, 1)
         ints = [rows, lay.c] + ([lay.hw] if per_sample else [])
     spec = AffineSpec(input=x.dtype, output=out, param=param, source=source, affine=affine, backward=backward,
                       layout=layout, per_sample=per_sample and layout == "col", steps=tuple(steps), vec=vec,
-                      index=index, bx=bx, block=block, unroll=unroll)
+                      index=index, bx=bx, block=block, unroll=unroll, min_blocks=min_blocks)
     int_t = np.int32 if index == "int32" else np.int64
     return Launch(spec, grid, (block, 1, 1), 0, tuple(pointers.get(p, p) for p in spec.pointers()),
                   tuple(int_t(v) for v in ints) + tuple(np.float32(v) for v in (eps, *params)))

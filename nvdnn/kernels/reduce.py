@@ -378,3 +378,75 @@ def plan_reduce(op: str, x: Operand, axes=None, *, out_dtype: str | None = None,
         raise ValidationError(f"tile: expected a reduce spec, got {type(tile).__name__}", arg="tile")
     split = split_reduce("plain", op, x, normalize_axes(axes, len(x.shape)), out_dtype, tile=tile)
     return Plan(tuple(split.launches), tuple(split.scratch))
+
+
+def unsupported_reason(spec, arch: str) -> str | None:
+    """Why ``arch`` cannot run ``spec`` (any spec of this family or of kernels/batchnorm.py)."""
+    from ..compiler import arch_number
+    types = {getattr(spec, f, None) for f in ("input", "output", "param")}
+    if "bfloat16" in types and arch_number(arch) < 80:
+        return "bfloat16 arithmetic needs sm_80 or later"
+    return None
+
+
+# Loop shapes for autotuning: (group or bx, block, unroll); the planner re-derives splits.
+ROW_TILES = ((32, 256, 4), (32, 128, 8), (256, 256, 4), (256, 256, 2), (512, 512, 2), (128, 128, 8))
+COL_TILES = ((32, 256, 4), (32, 512, 2), (16, 256, 4), (32, 128, 8), (8, 256, 4))
+AFFINE_TILES = ((64, 4, 1), (128, 4, 1), (256, 2, 4), (256, 4, 2), (256, 4, 4), (512, 2, 2), (128, 8, 1))
+
+
+def candidates(spec) -> list:
+    """Tile variants of one spec (same work, other loop shape), for autotuning."""
+    from .batchnorm import AffineSpec
+    if isinstance(spec, RowReduceSpec):
+        return [dataclasses.replace(spec, group=g if g == 32 else b, block=b, unroll=u) for g, b, u in ROW_TILES]
+    if isinstance(spec, ColReduceSpec):
+        return [dataclasses.replace(spec, bx=min(x, spec.bx), block=b, unroll=u) for x, b, u in COL_TILES]
+    if isinstance(spec, AffineSpec):
+        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m) for b, u, m in AFFINE_TILES
+                if spec.layout == "row" or spec.bx * 2 <= b]
+    return [spec]
+
+
+# -- presets: what `nvdnn warm --preset reduce` compiles ------------------------------------------
+
+def _dense_operand(dtype: str, shape, strides=None) -> Operand:
+    if strides is None:
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.insert(0, acc)
+            acc *= size
+    return Operand(dtype, tuple(shape), tuple(strides), 16)
+
+
+def preset() -> list:
+    """The kernels the functional API runs on aligned tensors at common sizes: every op and type
+    on short rows (a warp each), long rows and whole tensors (split), leading axes (columns);
+    batch/group/instance norm in both layouts with and without a ReLU epilogue."""
+    from . import batchnorm as bn
+    specs: dict = {}
+
+    def add(plan):
+        for launch in plan.launches:
+            specs.setdefault(launch.spec)
+
+    for dt in DTYPES:
+        for op in OPS:
+            for out in (dt, "float32") if op == "sum" and dt != "float32" else (dt,):
+                add(plan_reduce(op, _dense_operand(dt, (4096, 1024)), (1,), out_dtype=out))
+                add(plan_reduce(op, _dense_operand(dt, (1 << 22,)), None, out_dtype=out))
+                add(plan_reduce(op, _dense_operand(dt, (4096, 1024)), (0,), out_dtype=out))
+        for op in ("sum", "amax"):
+            add(plan_reduce(op, _dense_operand(dt, (64, 1 << 16)), (1,)))
+        for layout in ("NCHW", "NHWC"):
+            shape = (32, 256, 28, 28)
+            strides = None if layout == "NCHW" else (28 * 28 * 256, 1, 28 * 256, 256)
+            x = _dense_operand(dt, shape, strides)
+            c = _dense_operand("float32", (256,))
+            for chain, params in (((), ()), ((("relu", ""),), (0.0, math.inf))):
+                add(bn.plan_batch_norm_inference(x, c, c, c, c, epilogue=chain, params=params))
+                add(bn.plan_batch_norm_training(x, c, c, c, c, epilogue=chain, params=params))
+                add(bn.plan_group_norm(x, 32, c, c, epilogue=chain, params=params))
+            add(bn.plan_batch_norm_backward(x, x, c, c, c))
+            add(bn.plan_instance_norm(x))
+    return list(specs)
