@@ -240,7 +240,10 @@ def instance_norm(x, gamma=None, beta=None, eps=1e-5):
 
 
 # -- pool ---------------------------------------------------------------------------------------------
-# PyTorch's pooling: x is (N, C, H, W); window parameters are ints or (H, W) pairs.
+# PyTorch's pooling: x is (N, C, H, W); window parameters are ints or (H, W) pairs. (min and max
+# are this module's reductions: integers take builtins'.)
+import builtins as _builtins  # noqa: E402
+
 
 def _pool_pair(v):
     return (int(v), int(v)) if np.ndim(v) == 0 else (int(v[0]), int(v[1]))
@@ -260,7 +263,7 @@ def _pool_args(x_shape, kernel, stride, padding, dilation, ceil_mode):
 
 def _max_taps(o, k, s, p, d, size):
     start = o * s - p
-    end = min(start + (k - 1) * d + 1, size)
+    end = _builtins.min(start + (k - 1) * d + 1, size)
     while start < 0:
         start += d
     return range(start, end, d)
@@ -268,8 +271,8 @@ def _max_taps(o, k, s, p, d, size):
 
 def _avg_box(o, k, s, p, size):
     start = o * s - p
-    end = min(start + k, size + p)
-    return max(start, 0), min(end, size), end - start
+    end = _builtins.min(start + k, size + p)
+    return _builtins.max(start, 0), _builtins.min(end, size), end - start
 
 
 def max_pool2d(x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):

@@ -446,8 +446,8 @@ def _ints(index: str, values) -> tuple:
 
 def _occupancy(block: int, wide: bool = False) -> int:
     """Blocks per multiprocessor for the launch bounds: half of the 2048 threads (64 registers),
-    or a quarter (128 registers) for ``wide`` threads that hold a whole patch of 16-byte taps in
-    flight (still 120+ KB of loads in flight per multiprocessor)."""
+    or a quarter (128 registers) for ``wide`` threads that keep many 16-byte vectors (a patch of
+    taps, 8 int64 indices) in flight: still 100+ KB of loads in flight per multiprocessor."""
     return max(1, min(8, (512 if wide else 1024) // block))
 
 
@@ -557,7 +557,7 @@ def plan_pool2d_backward(kind: str, dy: Operand, input_shape, kernel, stride=Non
     wide = [(None, dtypes.BY_NAME[dx_dtype].itemsize, dx_align)] + (
         [(indices, dtypes.BY_NAME[indices.dtype].itemsize, indices.align)] if source == "indices" else [])
     vec = _vec(layout, loads + [(dy, size, dy.align)], wide, c)
-    block, min_blocks = (tile.block, tile.min_blocks) if tile is not None else (256, _occupancy(256))
+    block, min_blocks = (tile.block, tile.min_blocks) if tile is not None else (256, _occupancy(256, vec > 1))
     items = n * h * w * (c // vec)
     index = _index(_max_offset(dy) + 1, math.prod(geo_in), items + block,
                    _max_offset(extra) + 1 if extra is not None else 0)
@@ -642,7 +642,8 @@ def candidates(spec) -> list:
         if not spec.window:
             variants += [dataclasses.replace(spec, block=b, min_blocks=_occupancy(b)) for b in (512, 64)]
     elif isinstance(spec, Pool2dBackwardSpec):
-        variants = [dataclasses.replace(spec, block=b, min_blocks=_occupancy(b)) for b in (256, 128, 512, 64)]
+        variants = [dataclasses.replace(spec, block=b, min_blocks=_occupancy(b, spec.vec > 1))
+                    for b in (256, 128, 512, 64)]
     else:
         cvbs = (spec.cvb, spec.cvb * 2, spec.cvb // 2) if spec.layout == "nhwc" else (1,)
         variants = [dataclasses.replace(spec, block=b, cvb=cv) for cv in cvbs if cv in CVBS
@@ -688,4 +689,13 @@ def preset() -> list:
             for n, hw in ((32, 7), (1, 56)):  # whole planes; few planes split across blocks
                 g_shape = (n, 256, hw, hw)
                 add(plan_global_avg_pool2d(Operand(dt, g_shape, packed_strides(g_shape, layout))))
+    for dt in ("float16", "bfloat16"):  # past 2^31 elements: 64-bit offsets
+        shape = (1024, 64, 256, 256)
+        x = Operand(dt, shape, packed_strides(shape, "NHWC"))
+        add(plan_pool2d("max", x, 3, 2, 1))
+        add(plan_pool2d("max", x, 3, 1, 1))
+        dy_shape = pool2d_output_shape(shape, 3, 2, 1)
+        dy = Operand(dt, dy_shape, packed_strides(dy_shape, "NHWC"))
+        add(plan_pool2d_backward("max", dy, shape, 3, 2, 1, indices=Operand("int64", dy_shape, dy.strides)))
+        add(plan_global_avg_pool2d(x))
     return list(specs)
