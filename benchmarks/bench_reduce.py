@@ -1,0 +1,174 @@
+"""Reductions and channel norms, nvdnn vs PyTorch in one process on the same inputs.
+
+    python benchmarks/bench_reduce.py [--json FILE]
+
+Effective bandwidth counts each input read once and each output written once (statistics
+passes re-read x: their time is in the number, not their bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+
+from nvdnn import dtypes, launcher  # noqa: E402
+from nvdnn.kernels import batchnorm as bn  # noqa: E402
+from nvdnn.kernels import reduce as R  # noqa: E402
+from nvdnn.kernels.pointwise import Operand  # noqa: E402
+
+
+def operand(a) -> Operand:
+    align = 16
+    while a.data.ptr % align:
+        align //= 2
+    return Operand(dtypes.of_array(a, arg="x").name, tuple(a.shape), tuple(s // a.itemsize for s in a.strides), align)
+
+
+def _nhwc(cupy, shape, dtype, seed):
+    n, c, h, w = shape
+    host = np.random.default_rng(seed).standard_normal((n, h, w, c), dtype=np.float32)
+    return cupy.asarray(host.astype(dtypes.BY_NAME[dtype].np)).transpose(0, 3, 1, 2)
+
+
+def _nchw(cupy, shape, dtype, seed):
+    host = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    return cupy.asarray(host.astype(dtypes.BY_NAME[dtype].np))
+
+
+def _row(name, dtype, moved, t_ours, t_theirs=None, diff=None):
+    tbs = moved / (t_ours * 1e-3) / 1e12
+    row = {"workload": name, "dtype": dtype, "MB": f"{moved / 1e6:.1f}", "nvdnn_us": f"{t_ours * 1e3:.1f}",
+           "nvdnn_TB/s": f"{tbs:.2f}", "of_ceiling": f"{tbs / COPY_CEILING_TBS:.0%}"}
+    if t_theirs is not None:
+        row.update({"torch_us": f"{t_theirs * 1e3:.1f}", "torch_TB/s": f"{moved / (t_theirs * 1e-3) / 1e12:.2f}",
+                    "speedup": f"{t_theirs / t_ours:.2f}x", "max_diff": f"{diff:.2g}"})
+    return row
+
+
+def bench_reduction(name, opname, shape, axes, dtype, torch):
+    import cupy
+    item = dtypes.BY_NAME[dtype].itemsize
+    count = sets_for(math.prod(shape) * item)
+    xs = [_nchw(cupy, shape, dtype, i) for i in range(count)]
+    norm = R.normalize_axes(axes, len(shape))
+    out_shape = R.output_shape(shape, norm) or (1,)
+    ys = [cupy.empty(out_shape, dtype=xs[0].dtype) for _ in xs]
+    plan = R.plan_reduce(opname, operand(xs[0]), axes)
+    _, size = launcher.scratch_layout(plan)
+    work = cupy.empty(max(size, 1), dtype=cupy.uint8)
+    ours = lambda i: launcher.run(plan, {"y": ys[i], "x": xs[i]}, workspace=work)  # noqa: E731
+    moved = math.prod(shape) * item + math.prod(out_shape) * item
+    t_ours = time_ms(ours, count)
+    if torch is None:
+        return _row(name, dtype, moved, t_ours)
+    tx = [torch.from_dlpack(x) for x in xs]
+    dims = list(norm)
+    fns = {"sum": lambda t: t.sum(dims), "mean": lambda t: t.mean(dims), "amax": lambda t: t.abs().amax(dims),
+           "max": lambda t: t.amax(dims), "norm2": lambda t: torch.linalg.vector_norm(t, 2, dims)}
+    theirs = lambda i: fns[opname](tx[i])  # noqa: E731
+    t_theirs = time_ms(theirs, count)
+    ours(0)
+    diff = float((torch.from_dlpack(ys[0]).float().reshape(-1) - theirs(0).float().reshape(-1)).abs().max())
+    return _row(name, dtype, moved, t_ours, t_theirs, diff)
+
+
+def bench_batch_norm(name, mode, shape, layout, dtype, torch):
+    import cupy
+    item = dtypes.BY_NAME[dtype].itemsize
+    n_elem = math.prod(shape)
+    count = sets_for(2 * n_elem * item)
+    make = _nhwc if layout == "NHWC" else _nchw
+    xs = [make(cupy, shape, dtype, i) for i in range(count)]
+    if layout == "NHWC":  # y in x's memory order
+        ys = [cupy.empty((shape[0], *shape[2:], shape[1]), dtype=x.dtype).transpose(0, 3, 1, 2) for x in xs]
+    else:
+        ys = [cupy.empty_like(x) for x in xs]
+    c = shape[1]
+    rng = np.random.default_rng(5)
+    mean, var, gamma, beta = (cupy.asarray(rng.uniform(lo, hi, c).astype(np.float32))
+                              for lo, hi in ((-1, 1), (0.5, 2), (0.5, 2), (-1, 1)))
+    relu = ([("relu", "")], (0.0, math.inf))
+    x0 = operand(xs[0])
+    vec = operand(mean)
+    if mode == "inference":
+        plan = bn.plan_batch_norm_inference(x0, vec, vec, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1])
+        extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
+    elif mode == "training":
+        plan = bn.plan_batch_norm_training(x0, vec, vec, vec, vec, eps=1e-5, momentum=0.1,
+                                           epilogue=relu[0], params=relu[1])
+        sm, si = cupy.empty(c, np.float32), cupy.empty(c, np.float32)
+        rm, rv = mean.copy(), var.copy()
+        extra = {"gamma": gamma, "beta": beta, "running_mean": rm, "running_var": rv, "saved_mean": sm,
+                 "saved_invstd": si}
+    else:  # group norm, 32 groups
+        plan = bn.plan_group_norm(x0, 32, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1])
+        extra = {"gamma": gamma, "beta": beta}
+    _, size = launcher.scratch_layout(plan)
+    work = cupy.empty(max(size, 1), dtype=cupy.uint8)
+    ours = lambda i: launcher.run(plan, {"y": ys[i], "x": xs[i], **extra}, workspace=work)  # noqa: E731
+    moved = 2 * n_elem * item
+    t_ours = time_ms(ours, count)
+    if torch is None:
+        return _row(name, dtype, moved, t_ours)
+    F = torch.nn.functional
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+    tx = [torch.from_dlpack(x).contiguous(memory_format=fmt) for x in xs]
+    tm, tv, tg, tb = (torch.from_dlpack(a) for a in (mean, var, gamma, beta))
+    if mode == "inference":
+        theirs = lambda i: F.relu(F.batch_norm(tx[i], tm, tv, tg, tb, False, 0.1, 1e-5))  # noqa: E731
+    elif mode == "training":
+        trm, trv = tm.clone(), tv.clone()
+        theirs = lambda i: F.relu(F.batch_norm(tx[i], trm, trv, tg, tb, True, 0.1, 1e-5))  # noqa: E731
+    else:
+        theirs = lambda i: F.relu(F.group_norm(tx[i], 32, tg, tb, 1e-5))  # noqa: E731
+    t_theirs = time_ms(theirs, count)
+    ours(0)
+    diff = float((torch.from_dlpack(ys[0]).float() - theirs(0).float()).abs().max())
+    return _row(name, dtype, moved, t_ours, t_theirs, diff)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="write all numbers to this file")
+    args = parser.parse_args(argv)
+    import cupy
+    torch = try_torch()
+    copy = measure_copy_tbs()
+    rows = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        rows.append(bench_batch_norm("bn+relu inference NHWC 32x256x56x56", "inference", (32, 256, 56, 56), "NHWC",
+                                     dtype, torch))
+        rows.append(bench_batch_norm("bn+relu inference NCHW 32x256x56x56", "inference", (32, 256, 56, 56), "NCHW",
+                                     dtype, torch))
+    for layout in ("NHWC", "NCHW"):
+        rows.append(bench_batch_norm(f"bn+relu training {layout} 32x256x56x56", "training", (32, 256, 56, 56), layout,
+                                     "float16", torch))
+        rows.append(bench_batch_norm(f"group_norm(32)+relu {layout} 32x256x56x56", "group", (32, 256, 56, 56),
+                                     layout, "float16", torch))
+    for name, opname, shape, axes in (("amax whole tensor 64M", "amax", (1 << 26,), None),
+                                      ("sum last axis 16384x4096", "sum", (16384, 4096), (1,)),
+                                      ("mean first axis 16384x4096", "mean", (16384, 4096), (0,)),
+                                      ("norm2 last axis 4096x1024", "norm2", (4096, 1024), (1,)),
+                                      ("sum channels NCHW 32x256x56x56", "sum", (32, 256, 56, 56), (0, 2, 3)),
+                                      ("max last axis 65536x128", "max", (65536, 128), (1,))):
+        for dtype in ("bfloat16", "float32"):
+            rows.append(bench_reduction(name, opname, shape, axes, dtype, torch))
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    print(f"{props['name'].decode()}: copy {copy:.2f} TB/s (ceiling used: {COPY_CEILING_TBS} TB/s)")
+    columns = ["workload", "dtype", "MB", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
+               "speedup", "max_diff"]
+    print(table(rows, columns))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
