@@ -565,7 +565,8 @@ def plan_pool2d_backward(kind: str, dy: Operand, input_shape, kernel, stride=Non
                               x_dtype=x.dtype if source == "x" else "",
                               indices=indices.dtype if source == "indices" else "", divisor=divisor, vec=vec,
                               index=index, block=block, min_blocks=min_blocks)
-    ints = _ints(index, (*geo_in, *geo.out_shape[2:], *dy.strides) + (tuple(extra.strides) if extra is not None else ()))
+    strides = (*dy.strides, *(extra.strides if extra is not None else ()))
+    ints = _ints(index, (*geo_in, *geo.out_shape[2:], *strides))
     args = ints + _ints("int32", (*geo.kernel, *geo.stride, *geo.padding)
                         + (geo.dilation if kind == "max" else ())) + divisor_args
     pointers = ("dx", "dy") + ((source,) if source else ())
