@@ -17,16 +17,13 @@ from pathlib import Path
 
 from .cache import _atomic_write, default_folder
 
-TILE_FIELDS = ("block", "unroll", "min_blocks", "l2_prefetch")
-
-
 def _family_key(spec) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in TILE_FIELDS}
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in spec.tile_fields}
     return json.dumps([spec.family, fields], sort_keys=True)
 
 
 def _tile(spec) -> str:
-    return ",".join(f"{k}={getattr(spec, k)}" for k in TILE_FIELDS)
+    return ",".join(f"{k}={getattr(spec, k)}" for k in spec.tile_fields)
 
 
 def bucket(n: int) -> int:
@@ -112,23 +109,24 @@ def autotune(graph, variant_pack, workspace=None, *, repeat: int = 20, warmup: i
     db, arch, device = TuningDB(), graph._arch(), _device_name()
     report = []
     import cupy
+    from .graph.graph import _run_group
     for index, specs in enumerate(graph.candidates):
         timings, rejected, expected = {}, {}, None
         for c, spec in enumerate(specs):
             graph.chosen[index] = c
             graph._prepared.clear()
             bound = graph._bind(variant_pack)
-            launch, pointers = graph._launches(bound, workspace)[index]
-            args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
-            args[0].fill(float("nan"))  # the output: a candidate must write all of it, bit for bit
-            launch.function(launch.grid, launch.block, (*args, *launch.tail))
+            run = graph._launches(bound, workspace)[index]
+            outputs = [bound[o[1]] if isinstance(o[1], int) else o[1] for o in run.outputs]
+            for out in outputs:  # a candidate must write all of every output, bit for bit
+                out.fill(float("nan"))
+            _run_group(run, bound)
             if expected is None:
-                expected = args[0].copy()  # the heuristic's result: tile shapes do not change the math
-            elif not bool(cupy.array_equal(args[0], expected, equal_nan=True)):
+                expected = [out.copy() for out in outputs]  # the heuristic's: tiles do not change the math
+            elif not all(bool(cupy.array_equal(out, e, equal_nan=True)) for out, e in zip(outputs, expected)):
                 rejected[_tile(spec)] = "output differs from the heuristic candidate's"
                 continue
-            timings[_tile(spec)] = time_launches(
-                lambda: launch.function(launch.grid, launch.block, (*args, *launch.tail)), repeat, warmup)
+            timings[_tile(spec)] = time_launches(lambda: _run_group(run, bound), repeat, warmup)
         best = min(timings, key=timings.get)
         graph.chosen[index] = [_tile(s) for s in specs].index(best)
         n = math.prod(graph._shapes([a.shape for a in graph._bind(variant_pack)])[graph.groups[index].output.uid])

@@ -88,7 +88,8 @@ def _prepare(steps, xs, names, out, out_dtype, device, params) -> _Prepared:
     shape = pointwise.broadcast_shape([x.shape for x in xs], list(names))
     target = out if out is not None else arrays.cupy().empty(shape, dtypes.BY_NAME[out_dtype].np)
     bound = graph._bind({"out": target, **dict(zip(names, xs))})
-    (launch, _), = graph._launches(bound, None)
+    (run,) = graph._launches(bound, None)
+    (launch, _), = run.launches
     position = {name: i + 1 for i, name in enumerate(names)} | {"out": 0}
     order = tuple(position[graph._io[slot[1]].name] for slot in launch.slots)
     n_params = len(params)

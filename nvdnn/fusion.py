@@ -3,13 +3,18 @@
 A pointwise group is a chain: each node after the first takes the previous node's output
 (virtual, used by nothing else, same dims) as one operand, so the chain's value stays in
 registers. Everything a group reads from outside is one of its ``inputs``; its last node's
-output is the group's ``output`` (a user array, or workspace when virtual). Later families
-add anchor groups (matmul, conv, norm) that absorb pointwise prologues and epilogues.
+output is the group's ``output`` (a user array, or workspace when virtual).
+
+An anchor group (norm, reduce, pool: nvdnn.graph.anchors) is one anchor node plus the
+unary / scalar pointwise nodes after its main output (the epilogue) and, for ops that take a
+residual, the ``add`` that feeds its ``x`` (the prologue). Its other outputs (saved statistics)
+are written too, to the workspace when virtual.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .graph.anchors import ANCHORS
 from .graph.ops import SCHEMAS
 from .kernels import pointwise
 
@@ -19,17 +24,25 @@ class KernelGroup:
     family: str
     nodes: list = field(default_factory=list)
     inputs: list = field(default_factory=list)   # Tensors, in kernel argument order
-    steps: list = field(default_factory=list)    # pointwise (op, rhs) pairs
+    steps: list = field(default_factory=list)    # pointwise (op, rhs) pairs (an anchor's epilogue)
     params: list = field(default_factory=list)   # floats, in the chain's slot order
+    anchor: object = None                        # the anchor node, for anchor groups
+    roles: dict = field(default_factory=dict)    # anchor groups: input role -> Tensor
+    prologue: object = None                      # the add folded in as a residual
 
     @property
     def output(self):
         return self.nodes[-1].output
 
+    @property
+    def outputs(self) -> list:
+        """Every tensor the group writes: the main output first, then an anchor's other outputs."""
+        return [self.output] + (list(self.anchor.outputs[1:]) if self.anchor is not None else [])
+
     def describe(self) -> str:
-        ops = " -> ".join(n.op for n in self.nodes)
-        ins = ", ".join(t.name for t in self.inputs)
-        return f"{self.family}[{ops}]({ins}) -> {self.output.name}"
+        ops = " -> ".join(n.op for n in ([self.prologue] if self.prologue else []) + self.nodes)
+        ins = ", ".join(t.name for t in (self.roles.values() if self.anchor is not None else self.inputs))
+        return f"{self.family}[{ops}]({ins}) -> {', '.join(t.name for t in self.outputs)}"
 
 
 def _operand(group: KernelGroup, tensor) -> str:
@@ -65,6 +78,34 @@ def _new_inputs(group: KernelGroup, node, position: int) -> int:
     return len({t.uid for i, t in enumerate(node.inputs) if i != position} - {t.uid for t in group.inputs})
 
 
+def _private(tensor, consumers, dims) -> bool:
+    """A value fusion may keep in registers: virtual, read once, by a node of the same dims."""
+    return tensor.is_virtual and len(consumers[tensor.uid]) == 1 and tensor.dims == dims
+
+
+def _fits_epilogue(group: KernelGroup, node, position: int) -> bool:
+    """An anchor's epilogue takes unary and scalar pointwise ops on the chain value only."""
+    return (group.anchor is not None and ANCHORS[group.anchor.op].epilogue and node.op in SCHEMAS
+            and len(node.inputs) == 1 and position == 0)
+
+
+def _anchor_group(node, consumers, open_chain, groups) -> KernelGroup:
+    schema = ANCHORS[node.op]
+    group = KernelGroup(schema.family, nodes=[node], anchor=node)
+    group.roles = dict(zip(node.roles, node.inputs))
+    x = group.roles.get("x")
+    feeder = open_chain.get(x.uid) if x is not None and schema.residual else None
+    if (feeder is not None and feeder.anchor is None and len(feeder.nodes) == 1 and feeder.nodes[0].op == "add"
+            and len(feeder.nodes[0].inputs) == 2 and _private(x, consumers, node.inputs[0].dims)
+            and all(t.dims == x.dims for t in feeder.nodes[0].inputs) and schema.residual not in group.roles):
+        groups.remove(feeder)
+        del open_chain[x.uid]
+        group.prologue = feeder.nodes[0]
+        group.roles = {**group.roles, "x": feeder.nodes[0].inputs[0], schema.residual: feeder.nodes[0].inputs[1]}
+    group.inputs = list(dict.fromkeys(group.roles.values()))
+    return group
+
+
 def partition(nodes, consumers) -> list[KernelGroup]:
     """Kernel groups in execution order. ``consumers[uid]`` lists (node, input position).
 
@@ -73,17 +114,31 @@ def partition(nodes, consumers) -> list[KernelGroup]:
     groups: list[KernelGroup] = []
     open_chain: dict[int, KernelGroup] = {}  # uid of a group's current output -> group
     for node in nodes:
+        if node.op in ANCHORS:
+            group = _anchor_group(node, consumers, open_chain, groups)
+            groups.append(group)
+            open_chain[node.output.uid] = group
+            continue
         attached = False
         for position, tensor in enumerate(node.inputs):
             group = open_chain.get(tensor.uid)
-            if (group is not None and tensor.is_virtual and len(consumers[tensor.uid]) == 1
-                    and tensor.dims == node.output.dims and SCHEMAS[node.op].family == group.family
-                    and node.inputs.count(tensor) == 1
-                    and len(group.inputs) + _new_inputs(group, node, position) <= MAX_INPUTS):
-                del open_chain[tensor.uid]
+            if group is None or not _private(tensor, consumers, node.output.dims) or node.inputs.count(tensor) != 1:
+                continue
+            if group.anchor is not None:
+                if not _fits_epilogue(group, node, position):
+                    continue
+                group.steps.append((SCHEMAS[node.op].kernel_op, "" if not node.params or
+                                    pointwise.OPS[SCHEMAS[node.op].kernel_op].arity == 1 else "p"))
+                group.params.extend(node.params)
+                group.nodes.append(node)
+            elif (SCHEMAS[node.op].family == group.family
+                  and len(group.inputs) + _new_inputs(group, node, position) <= MAX_INPUTS):
                 _append(group, node, position)
-                attached = True
-                break
+            else:
+                continue
+            del open_chain[tensor.uid]
+            attached = True
+            break
         if not attached:
             group = KernelGroup(SCHEMAS[node.op].family)
             _append(group, node, None)

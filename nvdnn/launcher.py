@@ -10,7 +10,6 @@ from .errors import ValidationError
 from .kernels import Plan
 
 SCRATCH_ALIGN = 256
-DEFAULT_SHARED = 48 * 1024  # dynamic shared memory beyond this needs an opt-in per kernel
 
 
 def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:
@@ -26,7 +25,7 @@ def functions(plan: Plan, device: int, arch: str | None = None) -> list:
     """The loaded kernel of every launch, compiled or fetched from the cache on first use."""
     arch = arch or compiler.device_arch(device)
     cache = default_cache()
-    return [runtime.function(cache.get(launch.spec, arch), device) for launch in plan.launches]
+    return [runtime.function(cache.get(launch.spec, arch), device, launch.shared_mem) for launch in plan.launches]
 
 
 def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int | None = None) -> None:
@@ -48,6 +47,4 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
                 pointers.append(tensors[role])
             else:
                 raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
-        if launch.shared_mem > DEFAULT_SHARED and fn.max_dynamic_shared_size_bytes < launch.shared_mem:
-            fn.max_dynamic_shared_size_bytes = launch.shared_mem
         fn(launch.grid, launch.block, (*pointers, *launch.args), shared_mem=launch.shared_mem, stream=stream)

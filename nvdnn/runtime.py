@@ -7,14 +7,28 @@ from .cache import KernelBinary
 
 _FUNCTIONS: dict[tuple[str, int], object] = {}
 _MODULES: list = []  # keep modules alive for as long as their functions may run
+_OPTED_IN: dict[tuple[str, int], int] = {}  # dynamic shared memory each loaded function may use
 _LOCK = threading.Lock()
 
 
-def function(binary: KernelBinary, device_id: int):
-    """The CuPy function of ``binary`` on ``device_id``, loading its module on first use."""
+DEFAULT_SHARED = 48 * 1024  # dynamic shared memory beyond this needs an opt-in per kernel
+
+
+def function(binary: KernelBinary, device_id: int, shared_mem: int = 0):
+    """The CuPy function of ``binary`` on ``device_id``, loading its module on first use, opted in
+    to ``shared_mem`` bytes of dynamic shared memory where that exceeds the default 48 KB."""
     found = _FUNCTIONS.get((binary.key, device_id))
-    if found is not None:
-        return found
+    if found is None:
+        found = _load(binary, device_id)
+    if shared_mem > DEFAULT_SHARED and _OPTED_IN.get((binary.key, device_id), 0) < shared_mem:
+        from cupy_backends.cuda.api import driver
+        with _LOCK:
+            driver.funcSetAttribute(found.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            _OPTED_IN[(binary.key, device_id)] = shared_mem
+    return found
+
+
+def _load(binary: KernelBinary, device_id: int):
     import cupy
     with _LOCK, cupy.cuda.Device(device_id):
         found = _FUNCTIONS.get((binary.key, device_id))

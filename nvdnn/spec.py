@@ -43,6 +43,7 @@ def _tuples(value):
 class KernelSpec:
     family: ClassVar[str]
     template: ClassVar[str]
+    tile_fields: ClassVar[tuple[str, ...]] = ()  # fields that change the loop shape, not the result
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

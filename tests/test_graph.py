@@ -856,7 +856,7 @@ def test_shared_intermediate_is_materialized_in_aligned_workspace():
     assert [gr.output for gr in g.groups] == [h, y1, k, y2]
     assert g.groups[2].steps == [("add", "p"), ("tanh", "")]
     assert g.get_workspace_size() == 2 * WORKSPACE_ALIGN
-    offsets, total = g._workspace_layout([t.dims for t in g._io])
+    offsets, _, total = g._workspace_layout(g._shapes([t.dims for t in g._io]), [None] * len(g.groups))
     assert sorted(offsets) == sorted([h.uid, k.uid]) and total == 2 * WORKSPACE_ALIGN
     assert all(o % WORKSPACE_ALIGN == 0 for o in offsets.values())
     assert sorted(offsets.values()) == [0, WORKSPACE_ALIGN]
@@ -875,7 +875,7 @@ def test_workspace_rounds_each_tensor_up_to_256_bytes(intermediate, itemsize):
     g.validate().build_operation_graph()
     slot = -(-300 * itemsize // 256) * 256
     assert g.get_workspace_size() == 2 * slot
-    offsets, _ = g._workspace_layout([t.dims for t in g._io])
+    offsets, _, _ = g._workspace_layout(g._shapes([t.dims for t in g._io]), [None] * len(g.groups))
     assert sorted(offsets.values()) == [0, slot] and slot % WORKSPACE_ALIGN == 0
 
 

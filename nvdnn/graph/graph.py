@@ -23,7 +23,9 @@ import numpy as np
 from .. import arrays, compiler, dtypes, fusion, runtime
 from ..cache import KernelBinary, default_cache
 from ..errors import DeviceError, DTypeError, UnsupportedError, ValidationError
+from .. import kernels
 from ..kernels import pointwise
+from .anchors import ANCHORS, Epilogue, Meta
 from .ops import SCHEMAS
 from .tensor import Tensor, contiguous_strides
 
@@ -37,15 +39,28 @@ class Node:
     op: str
     inputs: tuple
     params: tuple
-    output: Tensor
+    outputs: tuple
+    roles: tuple = ()     # anchor ops: the role of each input ("x", "gamma", ...)
+    attrs: tuple = ()     # anchor ops: (name, value) static attributes, sorted
+
+    @property
+    def output(self) -> Tensor:
+        return self.outputs[0]
 
 
 class _Launch(NamedTuple):
     function: object
     grid: tuple
     block: tuple
-    slots: tuple          # per pointer argument: ("io", index) or ("ws", byte offset, dtype)
+    slots: tuple          # per pointer argument: ("io", index) or ("ws",) (its view is in the pointers)
     tail: tuple           # the integer and float arguments
+    shared_mem: int = 0
+
+
+class _GroupRun(NamedTuple):
+    """A group's launches for one signature, and where its outputs land (io slot or view)."""
+    launches: list        # (_Launch, pointers)
+    outputs: list         # per output: ("io", index) or ("ws", view)
 
 
 class Graph:
@@ -140,8 +155,7 @@ class Graph:
                            data_type=dtypes.of_array(array, arg=name or "array"), name=name, uid=uid,
                            alignment=align)
 
-    def _op(self, op: str, inputs, params=(), name: str | None = None, uid: int | None = None,
-            out_name: str | None = None) -> Tensor:
+    def _node_name(self, op: str, name) -> str:
         node_name = name or f"{op}{len(self.nodes)}"
         if not isinstance(node_name, str) or not node_name:
             raise ValidationError(f"{op}: name {name!r} is not a non-empty string", arg="name")
@@ -149,6 +163,11 @@ class Graph:
             if other.name == node_name:
                 raise ValidationError(f"{op}: node name '{node_name}' is already used (by the node producing "
                                       f"'{other.output.name}')", arg="name")
+        return node_name
+
+    def _op(self, op: str, inputs, params=(), name: str | None = None, uid: int | None = None,
+            out_name: str | None = None) -> Tensor:
+        node_name = self._node_name(op, name)
         schema = SCHEMAS[op]
         expected = len(schema.params) if schema.arity == 1 or len(inputs) == 2 else 1
         if len(inputs) not in (1, schema.arity) or len(params) != expected:
@@ -171,11 +190,46 @@ class Graph:
         out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
                                out_name or (name if name and name not in self._names else f"{node_name}.out"), uid,
                                True)
-        node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), out)
+        node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), (out,))
         self._touch()
         out.producer = node
         self.nodes.append(node)
         return out
+
+    def _anchor(self, op: str, inputs: dict, attrs: dict, name: str | None = None, outs=None):
+        """Add an anchor node (nvdnn.graph.anchors); returns its main output, or all its outputs
+        when it has several. ``outs``: (uid, name) per output, to rebuild a described graph."""
+        schema = ANCHORS[op]
+        node_name = self._node_name(op, name)
+        roles, tensors = [], []
+        for role in schema.roles:
+            t = inputs.get(role)
+            if t is None:
+                if role in schema.required:
+                    raise ValidationError(f"node '{node_name}' ({op}): needs a tensor for '{role}'", arg=role)
+                continue
+            if not isinstance(t, Tensor) or t.graph is not self:
+                raise ValidationError(f"node '{node_name}' ({op}): '{role}' is not a tensor of graph '{self.name}'",
+                                      arg=role)
+            roles.append(role), tensors.append(t)
+        attrs = schema.attributes(attrs, f"node '{node_name}' ({op})")
+        try:
+            metas = schema.infer(attrs, {r: Meta(t.dims, t.strides, t.data_type) for r, t in zip(roles, tensors)})
+        except ValidationError as exc:
+            raise ValidationError(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
+        outputs = []
+        for k, (role, meta) in enumerate(zip(schema.outputs, metas)):
+            uid, out_name = outs[k] if outs else (None, None)
+            if out_name is None:
+                out_name = name if k == 0 and name and name not in self._names else f"{node_name}.{role}"
+            outputs.append(self._new_tensor(meta.dims, meta.strides, meta.data_type or self.intermediate_data_type,
+                                            out_name, uid, True))
+        node = Node(node_name, op, tuple(tensors), (), tuple(outputs), tuple(roles), tuple(sorted(attrs.items())))
+        self._touch()
+        for t in outputs:
+            t.producer = node
+        self.nodes.append(node)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     # pointwise ops, NumPy names; binary ops take a scalar as second operand too
     def _unary(op):
@@ -226,18 +280,15 @@ class Graph:
         if not self.nodes:
             raise ValidationError(f"graph '{self.name}': has no operations", arg="graph")
         for node in self.nodes:
-            for t in node.inputs:
+            for t in (*node.inputs, *node.outputs):
                 if t.data_type not in pointwise.DTYPES:
                     raise DTypeError(f"node '{node.name}' ({node.op}): tensor '{t.name}' is {t.data_type}; "
-                                     f"pointwise ops take {', '.join(pointwise.DTYPES)}", arg=t.name)
-            if node.output.data_type not in pointwise.DTYPES:
-                raise DTypeError(f"node '{node.name}': output '{node.output.name}' is {node.output.data_type}; "
-                                 f"use one of {', '.join(pointwise.DTYPES)}", arg=node.output.name)
-        outputs = [n.output for n in self.nodes if not n.output.is_virtual]
+                                     f"its kernels take {', '.join(pointwise.DTYPES)}", arg=t.name)
+        outputs = [t for n in self.nodes for t in n.outputs if not t.is_virtual]
         if not outputs:
             raise ValidationError(f"graph '{self.name}': no output; mark one with set_output(True)", arg="outputs")
         for t in outputs:
-            if t.strides != contiguous_strides(t.dims):
+            if t.producer.op not in ANCHORS and t.strides != contiguous_strides(t.dims):
                 raise ValidationError(f"tensor '{t.name}': output strides {list(t.strides)} are not packed "
                                       f"(row-major {list(contiguous_strides(t.dims))}); pointwise kernels "
                                       "write packed outputs", arg=t.name)
@@ -269,9 +320,12 @@ class Graph:
         self.candidates = []
         for group in self.groups:
             out = group.output
-            base = self._plan(group, [self._operand(t) for t in group.inputs],
-                              out_align=16 if out.is_virtual else out.alignment).spec
-            self.candidates.append(list(dict.fromkeys([base] + pointwise.candidates(base))))
+            align = 16 if out.is_virtual else out.alignment
+            if group.anchor is None:
+                base = self._plan(group, [self._operand(t) for t in group.inputs], out_align=align).spec
+            else:
+                base = kernels.tile_spec(self._anchor_plan(group, self._built_operands(group), align))
+            self.candidates.append(list(dict.fromkeys([base] + kernels.family(group.family).candidates(base))))
         self._state = "planned"
         return self
 
@@ -283,7 +337,7 @@ class Graph:
         for index, specs in enumerate(self.candidates):
             kept, dropped = [], []
             for spec in specs:
-                reason = pointwise.unsupported_reason(spec, arch)
+                reason = kernels.family(self.groups[index].family).unsupported_reason(spec, arch)
                 (dropped.append((spec, reason)) if reason else kept.append(spec))
             if not kept:
                 detail = "; ".join(f"{s.uri}: {r}" for s, r in dropped)
@@ -302,7 +356,8 @@ class Graph:
         arch, cache = self._arch(), default_cache()
         for index, specs in enumerate(self.candidates):
             for spec in (specs if policy == "all" else [specs[self.chosen[index]]]):
-                self.binaries[spec] = cache.get(spec, arch)
+                for launch_spec in self._launch_specs(index, spec):
+                    self.binaries[launch_spec] = cache.get(launch_spec, arch)
         self._prepared.clear()
         self._state = "built"
         return self
@@ -330,8 +385,23 @@ class Graph:
         return self.execute(variant_pack, workspace, stream)
 
     def get_workspace_size(self) -> int:
+        """Bytes of workspace an execute at the built dims needs: materialized virtual tensors and
+        the scratch buffers of anchor kernels."""
         self._require("fused")
-        return self._workspace_layout([t.dims for t in self._io])[1]
+        plans = [None if g.anchor is None else self._anchor_plan(g, self._built_operands(g), tile=self._chosen_spec(i))
+                 for i, g in enumerate(self.groups)]
+        return self._workspace_layout(self._shapes([t.dims for t in self._io]), plans)[2]
+
+    def _launch_specs(self, index: int, spec) -> tuple:
+        """Every kernel candidate ``spec`` of group ``index`` launches (anchor plans: several)."""
+        group = self.groups[index]
+        if group.anchor is None:
+            return (spec,)
+        plan = self._anchor_plan(group, self._built_operands(group), tile=spec)
+        return tuple(dict.fromkeys(launch.spec for launch in plan.launches))
+
+    def _chosen_spec(self, index: int):
+        return self.candidates[index][self.chosen[index]] if len(self.chosen) > index else None
 
     def explain(self) -> str:
         """Kernel groups, their candidates, the chosen plans and their spec uris."""
@@ -364,12 +434,12 @@ class Graph:
                 raise DeviceError(f"execute: no usable CUDA device ({exc}); backend='numpy' runs anywhere",
                                   arg="device") from exc
             raise
-        for launch, pointers in self._launches(bound, workspace):
-            args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
-            launch.function(launch.grid, launch.block, (*args, *launch.tail), stream=stream)
+        for run in self._launches(bound, workspace):
+            _run_group(run, bound, stream)
 
     def _launches(self, bound, workspace) -> list:
-        """The launches for these arrays: planned once per signature (shapes, strides, alignment)."""
+        """Per group its launches for these arrays: planned once per signature (shapes, strides,
+        alignment)."""
         if self._state != "built":
             self._require("built")
         device = arrays.cupy().cuda.runtime.getDevice()
@@ -401,7 +471,8 @@ class Graph:
         return bound
 
     def _prepare(self, bound, workspace, device) -> list:
-        """Check every array against its tensor, then plan each launch for these shapes."""
+        """Check every array against its tensor, plan each group for these shapes, place the
+        workspace, and bind every pointer."""
         for t, a in zip(self._io, bound):
             if a.data.device_id != device:
                 raise DeviceError(f"tensor '{t.name}': array is on device {a.data.device_id}, the current device "
@@ -411,50 +482,95 @@ class Graph:
             if a.ndim != len(t.dims):
                 raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
                                       arg=t.name)
-            if t.producer is not None and not a.flags.c_contiguous:
-                raise ValidationError(f"tensor '{t.name}': an output array must be C-contiguous (packed)",
+        shapes = self._shapes([a.shape for a in bound])
+        for t, a in zip(self._io, bound):
+            if t.producer is None:
+                continue
+            if a.shape != shapes[t.uid]:
+                raise ValidationError(f"tensor '{t.name}': array shape {a.shape} should be {shapes[t.uid]}, "
+                                      "what its node makes of its inputs", arg=t.name)
+            want = self._out_strides(t, shapes, bound)
+            if tuple(s // a.itemsize for s in a.strides) != want and a.size > 1:
+                raise ValidationError(f"tensor '{t.name}': an output array must have strides {list(want)} (packed "
+                                      f"in the layout its kernel writes), got {[s // a.itemsize for s in a.strides]}",
                                       arg=t.name)
-        dims = [a.shape for a in bound]
-        offsets, needed = self._workspace_layout(dims)
+        plans = []
+        for index, group in enumerate(self.groups):
+            spec = self.candidates[index][self.chosen[index]]
+            result = group.output
+            align = 16 if result.is_virtual else arrays.alignment(bound[self._slot[result]].data.ptr)
+            if group.anchor is None:
+                operands = [self._operand_now(t, bound, shapes) for t in group.inputs]
+                launch = self._plan(group, operands, spec, align)
+                got = [launch.spec]
+            else:
+                operands = {role: self._operand_now(t, bound, shapes) for role, t in group.roles.items()}
+                launch = self._anchor_plan(group, operands, align, spec)
+                got = [lp.spec for lp in launch.launches]
+            missing = [s for s in got if s not in self.binaries]
+            if missing and group.anchor is None:
+                raise ValidationError(self._static_change(group, bound, got[0], spec), arg="dims")
+            if missing:
+                raise ValidationError(f"kernel {index} ({group.describe()}): these shapes need kernels the build "
+                                      f"did not make ({missing[0].uri}); rebuild the graph for them", arg="dims")
+            plans.append(launch)
+        offsets, scratch, needed = self._workspace_layout(shapes, [p if g.anchor is not None else None
+                                                                   for p, g in zip(plans, self.groups)])
         if needed and (workspace is None or workspace.nbytes < needed):
             have = "none" if workspace is None else f"{workspace.nbytes} bytes"
             raise ValidationError(f"workspace: this execute needs {needed} bytes, got {have} "
                                   "(get_workspace_size() for the built dims)", arg="workspace")
-        out, shapes = [], self._shapes(dims)
-        for index, group in enumerate(self.groups):
-            operands = []
-            for t in group.inputs:
-                if t.is_virtual:
-                    operands.append(pointwise.Operand(t.data_type, shapes[t.uid], contiguous_strides(shapes[t.uid])))
-                else:
-                    a = bound[self._slot[t]]
-                    operands.append(pointwise.Operand(t.data_type, a.shape, tuple(s // a.itemsize for s in a.strides),
-                                                      arrays.alignment(a.data.ptr)))
-            spec = self.candidates[index][self.chosen[index]]
-            result = group.output
-            if not result.is_virtual and bound[self._slot[result]].shape != shapes[result.uid]:
-                raise ValidationError(f"tensor '{result.name}': array shape {bound[self._slot[result]].shape} "
-                                      f"should be {shapes[result.uid]}, the broadcast of its inputs", arg=result.name)
-            align = 16 if result.is_virtual else arrays.alignment(bound[self._slot[result]].data.ptr)
-            launch = self._plan(group, operands, spec, align)
-            if launch.spec != spec:
-                raise ValidationError(self._static_change(group, bound, launch.spec, spec), arg="dims")
-            binary = self.binaries.get(spec)
-            if binary is None:
-                raise ValidationError(f"kernel {index}: candidate {self.chosen[index]} is not built; call "
-                                      "build_plans()", arg="plan")
-            slots, pointers = [], []
-            for t in (result, *group.inputs):
-                if t.is_virtual:
-                    view = workspace[offsets[t.uid]:offsets[t.uid] + math.prod(shapes[t.uid])
-                                     * dtypes.BY_NAME[t.data_type].itemsize].view(dtypes.BY_NAME[t.data_type].np)
-                    slots.append(("ws",)), pointers.append(view)
-                else:
-                    slots.append(("io", self._slot[t])), pointers.append(None)
-            tail = launch.int_args + tuple(np.float32(p) for p in group.params)
-            fn = runtime.function(binary, device)
-            out.append((_Launch(fn, launch.grid, launch.block, tuple(slots), tail), pointers))
-        return out
+
+        def place(t):  # ("io", slot) and no view, or ("ws",) and a workspace view of the tensor
+            if not t.is_virtual:
+                return ("io", self._slot[t]), None
+            size = math.prod(shapes[t.uid]) * dtypes.BY_NAME[t.data_type].itemsize
+            return ("ws",), workspace[offsets[t.uid]:offsets[t.uid] + size].view(dtypes.BY_NAME[t.data_type].np)
+
+        runs = []
+        for index, (group, launch) in enumerate(zip(self.groups, plans)):
+            placed = [place(t) for t in group.outputs]
+            outputs = [slot if view is None else ("ws", view) for slot, view in placed]
+            if group.anchor is None:
+                pairs = [place(t) for t in (group.output, *group.inputs)]
+                tail = launch.int_args + tuple(np.float32(p) for p in group.params)
+                fn = runtime.function(self.binaries[launch.spec], device)
+                runs.append(_GroupRun([(_Launch(fn, launch.grid, launch.block, tuple(s for s, _ in pairs), tail),
+                                        [v for _, v in pairs])], outputs))
+                continue
+            schema = ANCHORS[group.anchor.op]
+            by_role = {**group.roles, schema.outputs[0]: group.output,
+                       **dict(zip(schema.outputs[1:], group.anchor.outputs[1:]))}
+            launches = []
+            for lp in launch.launches:
+                slots, pointers = [], []
+                for role in lp.pointers:
+                    if role.startswith("scratch"):
+                        at = scratch[(index, int(role[len("scratch"):]))]
+                        slots.append(("ws",)), pointers.append(workspace[at:])
+                    else:
+                        slot, view = place(by_role[role])
+                        slots.append(slot), pointers.append(view)
+                fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem)
+                launches.append((_Launch(fn, lp.grid, lp.block, tuple(slots), lp.args, lp.shared_mem), pointers))
+            runs.append(_GroupRun(launches, outputs))
+        return runs
+
+    def _operand_now(self, t: Tensor, bound, shapes) -> pointwise.Operand:
+        if t.is_virtual:  # materialized in the workspace: packed and 256-byte aligned
+            return pointwise.Operand(t.data_type, shapes[t.uid], contiguous_strides(shapes[t.uid]))
+        a = bound[self._slot[t]]
+        return pointwise.Operand(t.data_type, a.shape, tuple(s // a.itemsize for s in a.strides),
+                                 arrays.alignment(a.data.ptr))
+
+    def _out_strides(self, t: Tensor, shapes, bound) -> tuple:
+        """The strides a node writes ``t`` with at these shapes: packed, or what an anchor infers."""
+        node = t.producer
+        if node.op not in ANCHORS:
+            return contiguous_strides(shapes[t.uid])
+        metas = {r: Meta(shapes[i.uid], tuple(self._operand_now(i, bound, shapes).strides), i.data_type)
+                 for r, i in zip(node.roles, node.inputs)}
+        return ANCHORS[node.op].infer(dict(node.attrs), metas)[node.outputs.index(t)].strides
 
     def _plan(self, group, operands, spec=None, out_align=16):
         out = group.output
@@ -465,6 +581,18 @@ class Graph:
         except ValidationError as exc:
             raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
                                   arg=exc.arg) from None
+
+    def _anchor_plan(self, group, operands: dict, out_align: int = 16, tile=None):
+        """The family plan of an anchor group for these operands (role -> Operand)."""
+        epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile)
+        try:
+            return ANCHORS[group.anchor.op].plan(dict(group.anchor.attrs), operands, epilogue)
+        except ValidationError as exc:
+            raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
+                                  arg=exc.arg) from None
+
+    def _built_operands(self, group) -> dict:
+        return {role: self._operand(t) for role, t in group.roles.items()}
 
     def _static_change(self, group, bound, got, built) -> str:
         """Name the tensor and dim whose change alters the kernel: a last dim that breaks the
@@ -493,20 +621,33 @@ class Graph:
         """Dims of every tensor for the given io dims (virtual ones by broadcasting)."""
         shapes = {t.uid: tuple(d) for t, d in zip(self._io, io_dims) if t.producer is None}
         for node in self.nodes:
-            shapes[node.output.uid] = pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs],
-                                                                [t.name for t in node.inputs])
+            if node.op in ANCHORS:
+                metas = {r: Meta(shapes[t.uid], contiguous_strides(shapes[t.uid]), t.data_type)
+                         for r, t in zip(node.roles, node.inputs)}
+                for t, meta in zip(node.outputs, ANCHORS[node.op].infer(dict(node.attrs), metas)):
+                    shapes[t.uid] = tuple(meta.dims)
+            else:
+                shapes[node.output.uid] = pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs],
+                                                                    [t.name for t in node.inputs])
         return shapes
 
-    def _workspace_layout(self, io_dims) -> tuple[dict[int, int], int]:
-        """Byte offsets of the materialized virtual tensors (group outputs) and the total."""
-        shapes, offsets, total = self._shapes(io_dims), {}, 0
-        for group in self.groups:
-            t = group.output
-            if t.is_virtual:
-                offsets[t.uid] = total
-                nbytes = math.prod(shapes[t.uid]) * dtypes.BY_NAME[t.data_type].itemsize
-                total += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-        return offsets, total
+    def _workspace_layout(self, shapes, plans) -> tuple[dict[int, int], dict, int]:
+        """Byte offsets of the materialized virtual tensors (group outputs), of each anchor plan's
+        scratch buffers ((group, k) -> offset), and the total."""
+        offsets, scratch, total = {}, {}, 0
+
+        def take(nbytes):
+            nonlocal total
+            at, total = total, total + -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+            return at
+
+        for index, group in enumerate(self.groups):
+            for t in group.outputs:
+                if t.is_virtual:
+                    offsets[t.uid] = take(math.prod(shapes[t.uid]) * dtypes.BY_NAME[t.data_type].itemsize)
+            for k, nbytes in enumerate(plans[index].scratch if plans[index] is not None else ()):
+                scratch[(index, k)] = take(nbytes)
+        return offsets, scratch, total
 
     def _execute_numpy(self, variant_pack):
         """Float64 NumPy reference of every node; results written into the pack's arrays."""
@@ -528,11 +669,16 @@ class Graph:
                 raise ValidationError(f"variant_pack: no array for tensor '{t.name}'", arg=t.name)
         for node in self.nodes:
             args = [np.asarray(values[t.uid], dtype=np.float64) for t in node.inputs]
-            values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
+            if node.op in ANCHORS:
+                results = ANCHORS[node.op].reference(dict(node.attrs), dict(zip(node.roles, args)))
+                values.update((t.uid, np.asarray(r)) for t, r in zip(node.outputs, results))
+            else:
+                values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
         for uid, target in targets.items():
             if target.shape != values[uid].shape:
                 raise ValidationError(f"tensor '{self.tensors[uid].name}': array shape {target.shape} should be "
-                                      f"{values[uid].shape}, the broadcast of its inputs", arg=self.tensors[uid].name)
+                                      f"{values[uid].shape}, what its node makes of its inputs",
+                                      arg=self.tensors[uid].name)
             target[...] = values[uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
@@ -559,7 +705,8 @@ class Graph:
                 self.execute(variant_pack, workspace, stream=stream)
             finally:
                 cuda_graph = stream.end_capture()
-        return CapturedGraph(cuda_graph, stream, len(self.groups), (bound, workspace))
+        kernels = sum(len(run.launches) for run in self._launches(bound, workspace))
+        return CapturedGraph(cuda_graph, stream, kernels, (bound, workspace))
 
     # -- helpers -----------------------------------------------------------------------------------
     def _operand(self, t: Tensor) -> pointwise.Operand:
@@ -584,6 +731,13 @@ class Graph:
         """Time every candidate on these buffers, keep the fastest, record all timings (see autotune)."""
         from ..autotune import autotune
         return autotune(self, variant_pack, workspace, repeat=repeat, warmup=warmup)
+
+
+def _run_group(run: _GroupRun, bound, stream=None) -> None:
+    for launch, pointers in run.launches:
+        args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
+        launch.function(launch.grid, launch.block, (*args, *launch.tail), shared_mem=launch.shared_mem,
+                        stream=stream)
 
 
 class CapturedGraph:

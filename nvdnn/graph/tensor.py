@@ -39,7 +39,9 @@ class Tensor:
     def set_output(self, is_output: bool = True) -> "Tensor":
         self.graph._touch()
         self.is_virtual = not is_output
-        if is_output and self.producer is not None and self.data_type == self.graph.intermediate_data_type:
+        # a node's main output follows the io data type; saved statistics keep theirs
+        if (is_output and self.producer is not None and self.producer.outputs[0] is self
+                and self.data_type == self.graph.intermediate_data_type):
             self.data_type = self.graph.io_data_type
         return self
 

@@ -31,3 +31,19 @@ class Plan(NamedTuple):
     rely on a scratch buffer being zero only if an earlier launch of the plan zeroes it."""
     launches: tuple
     scratch: tuple = ()
+
+
+FAMILIES = ("pointwise", "norm", "reduce", "pool")
+
+
+def family(name: str):
+    """The kernel module of a family, imported on first use."""
+    import importlib
+    if name not in FAMILIES:
+        raise KeyError(f"unknown kernel family {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def tile_spec(plan: Plan):
+    """The spec that names a plan among its candidates: its first launch's."""
+    return plan.launches[0].spec

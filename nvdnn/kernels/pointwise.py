@@ -62,6 +62,7 @@ _INT32_LIMIT = 2 ** 31 - 1
 class PointwiseSpec(KernelSpec):
     family = "pointwise"
     template = "pointwise/elementwise.cu.j2"
+    tile_fields = ("block", "unroll", "min_blocks", "l2_prefetch", "row_tiles")
 
     steps: tuple[tuple[str, str], ...]
     inputs: tuple[str, ...]      # data type of each tensor input
