@@ -343,3 +343,103 @@ def avg_pool2d_backward(dy, input_shape, kernel, stride=None, padding=0, ceil_mo
 def global_avg_pool2d(x):
     """Mean over H and W: (N, C, 1, 1)."""
     return _f64(x).mean(axis=(2, 3), keepdims=True)
+
+
+# -- norm ---------------------------------------------------------------------------------------------
+# Row normalizations: layer / RMS norm over the trailing ``normalized_ndim`` dims, softmax along
+# one axis. Statistics in float64; the population variance, as PyTorch.
+
+def _row_axes(x, normalized_ndim):
+    return tuple(range(x.ndim - normalized_ndim, x.ndim))
+
+
+def layer_norm(x, normalized_ndim=1, gamma=None, beta=None, eps=1e-5, return_stats=False):
+    """(x - mean) / sqrt(var + eps) * gamma + beta; with ``return_stats`` also mean and rstd
+    shaped as x's lead dims."""
+    x = _f64(x)
+    axes = _row_axes(x, normalized_ndim)
+    mean = x.mean(axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+    y = (x - mean) * rstd
+    y = y if gamma is None else y * _f64(gamma)
+    y = y if beta is None else y + _f64(beta)
+    lead = x.shape[:x.ndim - normalized_ndim]
+    return (y, mean.reshape(lead), rstd.reshape(lead)) if return_stats else y
+
+
+def layer_norm_backward(dy, x, normalized_ndim=1, gamma=None, eps=1e-5):
+    """(dx, dgamma, dbeta) of layer_norm; dgamma and dbeta summed over the lead dims."""
+    x, dy = _f64(x), _f64(dy)
+    axes = _row_axes(x, normalized_ndim)
+    lead = tuple(range(x.ndim - normalized_ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+    xhat = (x - mean) * rstd
+    g = dy if gamma is None else dy * _f64(gamma)
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead)
+
+
+def rms_norm(x, normalized_ndim=1, gamma=None, eps=1e-6, return_stats=False):
+    """x / sqrt(mean(x^2) + eps) * gamma; with ``return_stats`` also rstd (x's lead dims)."""
+    x = _f64(x)
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=_row_axes(x, normalized_ndim), keepdims=True) + eps)
+    y = x * rstd if gamma is None else x * rstd * _f64(gamma)
+    return (y, rstd.reshape(x.shape[:x.ndim - normalized_ndim])) if return_stats else y
+
+
+def rms_norm_backward(dy, x, normalized_ndim=1, gamma=None, eps=1e-6):
+    """(dx, dgamma) of rms_norm."""
+    x, dy = _f64(x), _f64(dy)
+    axes = _row_axes(x, normalized_ndim)
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
+    xhat = x * rstd
+    g = dy if gamma is None else dy * _f64(gamma)
+    dx = rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, (dy * xhat).sum(axis=tuple(range(x.ndim - normalized_ndim)))
+
+
+def causal_mask(sq, sk):
+    """0 where (i, j) may attend, -inf where j > i + (sk - sq)."""
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    return np.where(j > i + (sk - sq), -np.inf, 0.0)
+
+
+def _masked_scores(x, axis, mask, causal):
+    t = _f64(x)
+    if mask is not None:
+        t = t + _f64(mask)
+    if causal:
+        t = t + causal_mask(*t.shape[-2:])
+    m = t.max(axis=axis, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)  # a fully masked row: every exp is 0
+    with np.errstate(invalid="ignore"):
+        e = np.exp(t - m)
+    return t, m, e, e.sum(axis=axis, keepdims=True)
+
+
+def softmax(x, axis=-1, mask=None, causal=False):
+    """exp(t - max) / sum along ``axis``, t = x + mask (causal: -inf where j > i + Sk - Sq over the
+    last two dims). A fully masked row gives 0s."""
+    _, _, e, s = _masked_scores(x, axis, mask, causal)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(s > 0, e / s, 0.0)
+
+
+def log_softmax(x, axis=-1, mask=None, causal=False):
+    """(t - max) - log(sum(exp(t - max))); -inf where masked, -inf for a fully masked row."""
+    t, m, _, s = _masked_scores(x, axis, mask, causal)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(s > 0, (t - m) - np.log(s), -np.inf)
+
+
+def softmax_backward(dy, y, axis=-1):
+    """dx = y * (dy - sum(dy * y)) from softmax's output y."""
+    dy, y = _f64(dy), _f64(y)
+    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+
+
+def log_softmax_backward(dy, y, axis=-1):
+    """dx = dy - exp(y) * sum(dy) from log_softmax's output y."""
+    dy, y = _f64(dy), _f64(y)
+    return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)

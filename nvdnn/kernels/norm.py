@@ -102,6 +102,7 @@ class RowSpec(KernelSpec):
     access: str = "u"        # per row operand: u (contiguous), s (strided, vec 1), z (one value per row)
     index: str = "int32"     # type of element offsets
 
+    tile_fields = ("nv", "tpr", "rpb", "split", "cluster", "min_blocks")
     SPLITS_ALLOWED = SPLITS
     MAX_EPT = FORWARD_EPT
 
@@ -469,6 +470,7 @@ class SoftmaxColumnsSpec(KernelSpec):
     threads walk inner vectors (coalesced), ty threads split L, each column reduced in order."""
     family = "softmax_cols"
     template = "norm/softmax_cols.cu.j2"
+    tile_fields = ("tx", "ty")
 
     backward: bool = False
     log: bool = False
@@ -739,9 +741,9 @@ def _tile_of(spec: RowSpec, layout: _Rows, vec: int, kind: type, backward: bool,
                           max_tpr=512 if kind is NormBackwardSpec else 1024)
     if not isinstance(spec, kind):
         raise ValidationError(f"tile: a {type(spec).__name__} is not a tile of this op ({kind.__name__})", arg="tile")
-    t = Tile(spec.tpr, spec.nv, spec.rpb, spec.split, spec.cluster, spec.min_blocks)
-    if t.split == "stats":
-        raise ValidationError("tile: pass the 'apply' spec of a two-pass plan", arg="tile")
+    # Either launch of a two-pass plan names its tile (kernels.tile_spec gives the first).
+    split = "apply" if spec.split == "stats" else spec.split
+    t = Tile(spec.tpr, spec.nv, spec.rpb, split, spec.cluster, spec.min_blocks)
     if t.split in ("none", "cluster") and t.tpr * t.nv * t.cluster < nvecs:
         raise ValidationError(f"tile: {spec.uri} holds {t.tpr * t.nv * t.cluster} vectors of {vec}, the rows "
                               f"have {nvecs}", arg="tile")
@@ -933,8 +935,13 @@ def _plan_norm_backward(kind, dy, x, normalized_ndim, *, mean, rstd, gamma, beta
     t = _tile_of(tile, layout, vec, NormBackwardSpec, True, None)
     if t.split == "cluster":
         raise ValidationError("tile: backward kernels split long rows in two passes, not clusters", arg="tile")
-    index = _index(layout, t.tpr * t.nv * vec)
     L, nvecs = layout.L, layout.L // vec
+    chunks = 1 if t.split == "none" else -(-nvecs // (t.tpr * t.nv))
+    groups = min(-(-rows // t.rpb), PERSISTENT_BLOCKS) if t.split == "none" else max(
+        1, min(rows, PERSISTENT_BLOCKS // chunks))
+    index = _index(layout, t.tpr * t.nv * vec)
+    if groups * L >= _INT32_LIMIT:  # offsets into the dgamma / dbeta partial rows
+        index = "int64"
     options = dict(kind=kind, dy=dy.dtype, x=x.dtype, gamma=gamma.dtype if gamma is not None else "",
                    index=index, access="".join(layout.access[n] for n in operands))
     full = dict(dgamma=gamma is not None, dbeta=beta is not None, dx=dx)
@@ -943,16 +950,13 @@ def _plan_norm_backward(kind, dy, x, normalized_ndim, *, mean, rstd, gamma, beta
     launches = []
     if t.split == "none":
         spec = NormBackwardSpec(**options, **full, **geometry)
-        grid = min(-(-rows // t.rpb), PERSISTENT_BLOCKS)
-        parts, part_bytes = grid, 0
+        grid, parts, part_bytes = groups, groups, 0
     else:
-        chunks = -(-nvecs // (t.tpr * t.nv))
         values["n_chunks"] = chunks
         stats = NormBackwardSpec(**options, **geometry, split="stats")
         launches.append(Launch(stats, (rows * chunks, 1, 1), (stats.block, 1, 1), 0, stats.pointers(),
                                _scalar_values(stats, values)))
         spec = NormBackwardSpec(**options, **full, **geometry, split="apply")
-        groups = max(1, min(rows, PERSISTENT_BLOCKS // chunks))
         grid, parts = groups * chunks, groups
         part_bytes = rows * chunks * (2 if kind == "layer" else 1) * 4
     launches.append(Launch(spec, (grid, 1, 1), (spec.block, 1, 1), 0, spec.pointers(), _scalar_values(spec, values)))
@@ -1108,18 +1112,10 @@ def plan_softmax_backward(dy: Operand, y: Operand, axis: int = -1, *, log: bool 
     return Plan(launches, scratch)
 
 
-def tile_spec(plan: Plan) -> KernelSpec:
-    """The launch spec whose candidates() tune this plan (pass one back as ``tile=``): the row
-    kernel that writes the op's output ("apply" of a two-pass plan)."""
-    for launch in plan.launches:
-        if not isinstance(launch.spec, WgradSpec) and getattr(launch.spec, "split", "none") != "stats":
-            return launch.spec
-    raise ValidationError("plan: no row kernel in it", arg="plan")
-
-
 def candidates(spec: KernelSpec) -> list[KernelSpec]:
-    """Tile variants of one spec for autotuning. Whole-row kernels keep the vectors a block (or
-    cluster) holds, so each variant fits every row the original fits."""
+    """Tile variants of one spec for autotuning (kernels.tile_spec of a plan: its first launch),
+    each one a valid ``tile=``. Whole-row kernels keep the vectors a block (or cluster) holds, so
+    every variant fits the rows the original fits; two-pass kernels vary their chunk."""
     if isinstance(spec, WgradSpec):
         return [spec]
     if isinstance(spec, SoftmaxColumnsSpec):
