@@ -4,8 +4,8 @@ machine code, verified in full before anything is loaded.
     MAGIC(8) | format (u32 LE) | header length (u32 LE) | header (JSON) | cubins | sha256 (32)
 
 The header holds the nvdnn version, arch, NVRTC version, the graph description, the io
-uids, the workspace size, per kernel group the chosen spec, and per cubin its key, uri,
-entry, size and sha256. Every check that fails raises PlanFormatError naming the field.
+uids, the workspace size, per kernel group the chosen spec and the cubins of its launches,
+and per cubin its key, uri, entry, size and sha256. Every check that fails raises PlanFormatError naming the field.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .errors import NvdnnError, PlanFormatError
 from .spec import KernelSpec
 
 MAGIC = b"NVDNNPLN"
-FORMAT = 1
+FORMAT = 2
 _U32 = struct.Struct("<I")
 _FIXED = len(MAGIC) + 2 * _U32.size
 _MAX_HEADER = 16 << 20
@@ -33,8 +33,9 @@ def _describe(graph) -> dict:
                      "data_type": t.data_type, "virtual": t.is_virtual, "alignment": t.alignment}
                     for t in graph.tensors.values() if t.producer is None],
         "nodes": [{"name": n.name, "op": n.op, "inputs": [t.uid for t in n.inputs], "params": list(n.params),
-                   "output": {"uid": n.output.uid, "name": n.output.name, "data_type": n.output.data_type,
-                              "virtual": n.output.is_virtual, "alignment": n.output.alignment}}
+                   "roles": list(n.roles), "attrs": [[k, v] for k, v in n.attrs],
+                   "outputs": [{"uid": t.uid, "name": t.name, "data_type": t.data_type,
+                                "virtual": t.is_virtual, "alignment": t.alignment} for t in n.outputs]}
                   for n in graph.nodes],
     }
 
@@ -43,13 +44,14 @@ def serialize(graph) -> bytes:
     from . import __version__
     graph._require("built")
     specs = [specs[c] for specs, c in zip(graph.candidates, graph.chosen)]
-    binaries = [graph.binaries[s] for s in specs]
-    kernels = list(dict.fromkeys(binaries))
+    launches = [[graph.binaries[s] for s in graph._launch_specs(i, spec)] for i, spec in enumerate(specs)]
+    kernels = list(dict.fromkeys(b for group in launches for b in group))
     header = {
-        "nvdnn_version": __version__, "arch": graph._arch(), "nvrtc": binaries[0].meta.get("nvrtc", ""),
+        "nvdnn_version": __version__, "arch": graph._arch(), "nvrtc": kernels[0].meta.get("nvrtc", ""),
         "graph": _describe(graph), "uids": [t.uid for t in graph._io],
         "workspace_size": graph.get_workspace_size(),
-        "groups": [{"spec": s.to_dict(), "kernel": kernels.index(b)} for s, b in zip(specs, binaries)],
+        "groups": [{"spec": s.to_dict(), "launches": [kernels.index(b) for b in group]}
+                   for s, group in zip(specs, launches)],
         "kernels": [{"key": k.key, "uri": k.uri, "entry": k.entry, "arch": k.arch, "size": len(k.cubin),
                      "sha256": hashlib.sha256(k.cubin).hexdigest()} for k in kernels],
     }
@@ -122,14 +124,15 @@ def deserialize(blob: bytes):
     _field(isinstance(groups, list) and groups, "groups", "missing")
     specs = []
     for i, group in enumerate(groups):
-        _field(isinstance(group, dict) and type(group.get("kernel")) is int
-               and 0 <= group["kernel"] < len(images), f"groups[{i}].kernel", "not an index into kernels")
+        _field(isinstance(group, dict) and isinstance(group.get("launches"), list) and group["launches"]
+               and all(type(k) is int and 0 <= k < len(images) for k in group["launches"]),
+               f"groups[{i}].launches", "not a list of indices into kernels")
         try:
             specs.append(KernelSpec.from_dict(group.get("spec")))
         except NvdnnError as exc:
             raise PlanFormatError(str(exc), field=f"groups[{i}].spec") from None
-        _field(specs[-1].uri == header["kernels"][group["kernel"]]["uri"], f"groups[{i}].spec",
-               "does not match its kernel's uri")
+        _field(specs[-1].uri == header["kernels"][group["launches"][0]]["uri"], f"groups[{i}].spec",
+               "does not match its first kernel's uri")
     try:
         graph = _rebuild(header.get("graph"), arch)
     except (NvdnnError, KeyError, TypeError, ValueError) as exc:
@@ -140,9 +143,14 @@ def deserialize(blob: bytes):
     for i, spec in enumerate(specs):
         _field(spec in graph.candidates[i], f"groups[{i}].spec", "is not a plan of this graph")
         graph.chosen[i] = graph.candidates[i].index(spec)
-        k = header["kernels"][groups[i]["kernel"]]
-        graph.binaries[spec] = KernelBinary(k["key"], k["uri"], k["arch"], k["entry"], images[groups[i]["kernel"]],
-                                            {"nvrtc": header["nvrtc"]})
+        wanted = graph._launch_specs(i, spec)
+        _field(len(wanted) == len(groups[i]["launches"]), f"groups[{i}].launches",
+               f"{len(groups[i]['launches'])} kernels, the plan launches {len(wanted)}")
+        for j, (launch_spec, index) in enumerate(zip(wanted, groups[i]["launches"])):
+            k = header["kernels"][index]
+            _field(k["uri"] == launch_spec.uri, f"groups[{i}].launches[{j}]", "does not match the plan's kernel")
+            graph.binaries[launch_spec] = KernelBinary(k["key"], k["uri"], k["arch"], k["entry"], images[index],
+                                                       {"nvrtc": header["nvrtc"]})
     _field(header.get("workspace_size") == graph.get_workspace_size(), "workspace_size",
            "does not match the graph")
     graph._state = "built"
@@ -151,17 +159,22 @@ def deserialize(blob: bytes):
 
 def _rebuild(desc: dict, arch: str):
     from .graph import Graph
+    from .graph.anchors import ANCHORS
     graph = Graph(desc["io_data_type"], desc["intermediate_data_type"], desc["compute_data_type"],
                   name=desc["name"], arch=arch)
     for t in desc["tensors"]:
         graph.tensor(dims=t["dims"], strides=t["strides"], data_type=t["data_type"], name=t["name"],
                      uid=t["uid"], is_virtual=t["virtual"], alignment=t["alignment"])
     for n in desc["nodes"]:
-        out = n["output"]
-        graph._op(n["op"], [graph.tensors[u] for u in n["inputs"]], n["params"], n["name"],
-                  uid=out["uid"], out_name=out["name"])
-        graph.tensors[out["uid"]].set_output(not out["virtual"]).set_data_type(out["data_type"]).set_alignment(
-            out["alignment"])
+        inputs, outs = [graph.tensors[u] for u in n["inputs"]], n["outputs"]
+        if n["op"] in ANCHORS:
+            graph._anchor(n["op"], dict(zip(n["roles"], inputs)), {k: v for k, v in n["attrs"]}, n["name"],
+                          outs=[(o["uid"], o["name"]) for o in outs])
+        else:
+            graph._op(n["op"], inputs, n["params"], n["name"], uid=outs[0]["uid"], out_name=outs[0]["name"])
+        for o in outs:
+            graph.tensors[o["uid"]].set_output(not o["virtual"]).set_data_type(o["data_type"]).set_alignment(
+                o["alignment"])
     graph.validate().build_operation_graph().create_execution_plans()
     graph.check_support(_tuned=False)  # the blob fixes the choice
     return graph

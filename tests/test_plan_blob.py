@@ -72,7 +72,7 @@ def split(blob: bytes):
     return fmt, header, images
 
 
-def seal(header, images, fmt: int = 1, magic: bytes = MAGIC, head: bytes | None = None) -> bytes:
+def seal(header, images, fmt: int = plan.FORMAT, magic: bytes = MAGIC, head: bytes | None = None) -> bytes:
     """Re-encode with a recomputed sha256: only the field checks can catch what was changed."""
     head = json.dumps(header, sort_keys=True).encode() if head is None else head
     body = magic + struct.pack("<II", fmt, len(head)) + head + b"".join(images)
@@ -93,7 +93,7 @@ def chosen_specs(g):
 
 def test_the_blob_holds_three_kernels(built):
     fmt, header, images = split(built.blob)
-    assert MAGIC == plan.MAGIC and fmt == plan.FORMAT == 1
+    assert MAGIC == plan.MAGIC and fmt == plan.FORMAT == 2
     assert len(built.graph.groups) == 3 and len(header["groups"]) == 3 and len(images) == 3
     assert header["arch"] == ARCH and header["nvdnn_version"] == nvdnn.__version__
     assert header["workspace_size"] == built.graph.get_workspace_size() == 1024   # 4*64 float32
@@ -217,7 +217,7 @@ def _not_a_plan_of_this_graph(h, im):
     # a valid spec whose uri its kernel entry also claims, that this graph would never plan
     f = _spec_of(h, 0)
     f["vec"] = 2 if f["vec"] != 2 else 1
-    h["kernels"][h["groups"][0]["kernel"]]["uri"] = KernelSpec.from_dict(h["groups"][0]["spec"]).uri
+    h["kernels"][h["groups"][0]["launches"][0]]["uri"] = KernelSpec.from_dict(h["groups"][0]["spec"]).uri
 
 
 def _invalid_spec(h, im):
@@ -299,11 +299,14 @@ TAMPER = [
     ("spec_unknown_family", _unknown_family, "groups[0].spec"),
     ("spec_missing", _deleter(["groups", 0, "spec"]), "groups[0].spec"),
     ("kernel_uri_changed", _setter(["kernels", 0, "uri"], "pointwise/something/else"), "groups[0].spec"),
-    ("group_kernel_out_of_range", _setter(["groups", 0, "kernel"], 3), "groups[0].kernel"),
-    ("group_kernel_negative", _setter(["groups", 0, "kernel"], -1), "groups[0].kernel"),
-    ("group_kernel_str", _setter(["groups", 0, "kernel"], "0"), "groups[0].kernel"),
-    ("group_kernel_bool", _setter(["groups", 0, "kernel"], False), "groups[0].kernel"),
-    ("group_kernel_other", _setter(["groups", 0, "kernel"], 1), "groups[0].spec"),
+    ("group_kernel_out_of_range", _setter(["groups", 0, "launches", 0], 3), "groups[0].launches"),
+    ("group_kernel_negative", _setter(["groups", 0, "launches", 0], -1), "groups[0].launches"),
+    ("group_kernel_str", _setter(["groups", 0, "launches", 0], "0"), "groups[0].launches"),
+    ("group_kernel_bool", _setter(["groups", 0, "launches", 0], False), "groups[0].launches"),
+    ("group_kernel_other", _setter(["groups", 0, "launches", 0], 1), "groups[0].spec"),
+    ("group_launches_empty", _setter(["groups", 0, "launches"], []), "groups[0].launches"),
+    ("group_launches_not_list", _setter(["groups", 0, "launches"], 0), "groups[0].launches"),
+    ("group_launch_extra", lambda h, im: h["groups"][0]["launches"].append(0), "groups[0].launches"),
     ("groups_missing", _deleter(["groups"]), "groups"),
     ("groups_empty", _setter(["groups"], []), "groups"),
     ("groups_one_more", lambda h, im: h["groups"].append(copy.deepcopy(h["groups"][2])), "groups"),
@@ -324,7 +327,7 @@ TAMPER = [
     # the graph description
     ("graph_unknown_op", _node(op="frobnicate"), "graph"),
     ("graph_op_missing", _deleter(["graph", "nodes", 0, "op"]), "graph"),
-    ("graph_node_output_missing", _deleter(["graph", "nodes", 0, "output"]), "graph"),
+    ("graph_node_output_missing", _deleter(["graph", "nodes", 0, "outputs"]), "graph"),
     ("graph_node_unknown_input", _node(inputs=[1, 77]), "graph"),
     ("graph_node_inputs_not_uids", _node(inputs=[1, [2]]), "graph"),
     ("graph_node_params_not_numbers", _node(params=["a"]), "graph"),
@@ -338,7 +341,7 @@ TAMPER = [
     ("graph_none", _setter(["graph"], None), "graph"),
     ("graph_missing", _deleter(["graph"]), "graph"),
     # a graph that still rebuilds, into something else than the plan was made for
-    ("graph_output_made_virtual", _setter(["graph", "nodes", 3, "output", "virtual"], True), "uids"),
+    ("graph_output_made_virtual", _setter(["graph", "nodes", 3, "outputs", 0, "virtual"], True), "uids"),
     ("graph_tensor_dims_changed", _setter(["graph", "tensors", 0, "dims"], [8, 64]), "workspace_size"),
     ("graph_bias_not_broadcast", _setter(["graph", "tensors", 1, "dims"], [4, 64]), "groups[0].spec"),
 ]
@@ -444,12 +447,12 @@ def test_wrong_magic_is_refused(built):
     assert refused(seal(header, images, magic=b"NVDNNKC\x01")).field == "magic"   # a cache entry's magic
 
 
-def test_format_version_2_is_refused(built):
-    damaged = built.blob[:8] + struct.pack("<I", 2) + built.blob[12:]
+def test_other_format_versions_are_refused(built):
+    damaged = built.blob[:8] + struct.pack("<I", 3) + built.blob[12:]
     error = refused(damaged)
-    assert error.field == "format" and "2" in str(error)
+    assert error.field == "format" and "3" in str(error)
     _, header, images = split(built.blob)
-    assert refused(seal(header, images, fmt=2)).field == "format"
+    assert refused(seal(header, images, fmt=1)).field == "format"  # one kernel per group: before anchors
     assert refused(seal(header, images, fmt=0)).field == "format"
 
 

@@ -35,6 +35,7 @@ class AnchorOp:
     reference: Callable                     # (attrs, {role: float64 array}) -> tuple of arrays
     residual: str | None = None             # input role an add feeding "x" folds into
     epilogue: bool = True                   # the main output takes a fused pointwise epilogue
+    tiles: bool = True                      # the plan takes a tile: candidates for autotuning
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -84,3 +85,132 @@ ANCHORS: dict[str, AnchorOp] = {}
 def register(*ops: AnchorOp) -> None:
     for op in ops:
         ANCHORS[op.name] = op
+
+
+# -- the rows -------------------------------------------------------------------------------------
+# Imported here, after the framework: each family module is plain Python (no CUDA at import).
+from .. import reference as ref  # noqa: E402
+from ..kernels import batchnorm, pool, reduce  # noqa: E402
+from .tensor import contiguous_strides  # noqa: E402
+
+
+def _same(meta: Meta, data_type=None) -> Meta:
+    return Meta(meta.dims, meta.strides, data_type)
+
+
+def _packed(dims, data_type=None) -> Meta:
+    return Meta(tuple(dims), contiguous_strides(dims), data_type)
+
+
+def _operand_meta(meta: Meta):
+    return reduce.Operand(meta.data_type, meta.dims, meta.strides)
+
+
+def _reduction(op: str) -> AnchorOp:
+    def infer(a, m):
+        return [_packed(reduce.output_shape(m["x"].dims, reduce.normalize_axes(a["axes"], len(m["x"].dims)),
+                                            a["keepdims"]))]
+
+    def plan(a, o, e):
+        return reduce.plan_reduce(op, o["x"], a["axes"], out_dtype=e.out_dtype, tile=e.tile)
+
+    return AnchorOp(op, "reduce", ("x",), ("y",), (("axes", None), ("keepdims", False)), infer, plan,
+                    lambda a, v: (getattr(ref, op)(v["x"], axis=a["axes"], keepdims=a["keepdims"]),),
+                    epilogue=False)
+
+
+def _channels(m) -> Meta:
+    return Meta((m["x"].dims[1],), (1,), m["gamma"].data_type if "gamma" in m else "float32")
+
+
+def _pool_attrs(extra=()):
+    return (("kernel", 2), ("stride", None), ("padding", 0), ("dilation", 1), ("ceil_mode", False)) + extra
+
+
+def _pool_infer(a, m):
+    dims = pool.pool2d_output_shape(m["x"].dims, a["kernel"], a["stride"], a["padding"], a["dilation"],
+                                    a["ceil_mode"])
+    return [Meta(dims, pool.packed_strides(dims, pool.layout_of(_operand_meta(m["x"]))), None)]
+
+
+def _window(a):
+    return dict(kernel=a["kernel"], stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
+                ceil_mode=a["ceil_mode"])
+
+
+def _avg(a):
+    return dict(count_include_pad=a["count_include_pad"], divisor_override=a["divisor_override"])
+
+
+_AVG = (("count_include_pad", True), ("divisor_override", None))
+
+register(
+    *map(_reduction, ("sum", "mean", "max", "min", "amax", "norm1", "norm2", "prod")),
+    AnchorOp("batch_norm", "reduce", ("x", "mean", "var", "gamma?", "beta?"), ("y",), (("eps", 1e-5),),
+             lambda a, m: [_same(m["x"])],
+             lambda a, o, e: batchnorm.plan_batch_norm_inference(
+                 o["x"], o["mean"], o["var"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
+                 params=e.params, out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
+             lambda a, v: (ref.batch_norm(v["x"], v["mean"], v["var"], v.get("gamma"), v.get("beta"), a["eps"]),)),
+    AnchorOp("batch_norm_training", "reduce", ("x", "gamma?", "beta?"), ("y", "saved_mean", "saved_invstd"),
+             (("eps", 1e-5),),
+             lambda a, m: [_same(m["x"]), _channels({"x": m["x"]}), _channels({"x": m["x"]})],
+             lambda a, o, e: batchnorm.plan_batch_norm_training(
+                 o["x"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps, params=e.params,
+                 out_dtype=e.out_dtype, out_align=e.out_align),
+             lambda a, v: ref.batch_norm_training(v["x"], v.get("gamma"), v.get("beta"), eps=a["eps"])[:3],
+             tiles=False),
+    AnchorOp("batch_norm_backward", "reduce", ("dy", "x", "saved_mean", "saved_invstd", "gamma"),
+             ("dx", "dgamma", "dbeta"), (),
+             lambda a, m: [_same(m["x"]), _channels(m), _channels(m)],
+             lambda a, o, e: batchnorm.plan_batch_norm_backward(
+                 o["dy"], o["x"], o["saved_mean"], o["saved_invstd"], o.get("gamma"), dx_dtype=e.out_dtype,
+                 dx_align=e.out_align),
+             lambda a, v: ref.batch_norm_backward(v["dy"], v["x"], v["saved_mean"], v["saved_invstd"],
+                                                  v.get("gamma")),
+             epilogue=False, tiles=False),
+    AnchorOp("group_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("groups", 1), ("eps", 1e-5)),
+             lambda a, m: [_same(m["x"])],
+             lambda a, o, e: batchnorm.plan_group_norm(
+                 o["x"], a["groups"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
+                 params=e.params, out_dtype=e.out_dtype, out_align=e.out_align),
+             lambda a, v: (ref.group_norm(v["x"], a["groups"], v.get("gamma"), v.get("beta"), a["eps"]),),
+             tiles=False),
+    AnchorOp("instance_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("eps", 1e-5),),
+             lambda a, m: [_same(m["x"])],
+             lambda a, o, e: batchnorm.plan_instance_norm(
+                 o["x"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps, params=e.params,
+                 out_dtype=e.out_dtype, out_align=e.out_align),
+             lambda a, v: (ref.instance_norm(v["x"], v.get("gamma"), v.get("beta"), a["eps"]),),
+             tiles=False),
+    AnchorOp("max_pool2d", "pool", ("x",), ("y",), _pool_attrs(), _pool_infer,
+             lambda a, o, e: pool.plan_pool2d("max", o["x"], **_window(a), epilogue=e.steps, params=e.params,
+                                              out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
+             lambda a, v: (ref.max_pool2d(v["x"], **_window(a)),)),
+    AnchorOp("avg_pool2d", "pool", ("x",), ("y",), _pool_attrs(_AVG), _pool_infer,
+             lambda a, o, e: pool.plan_pool2d("avg", o["x"], **_window(a), **_avg(a), epilogue=e.steps,
+                                              params=e.params, out_dtype=e.out_dtype, out_align=e.out_align,
+                                              tile=e.tile),
+             lambda a, v: (ref.avg_pool2d(v["x"], a["kernel"], a["stride"], a["padding"], a["ceil_mode"],
+                                          **_avg(a)),)),
+    AnchorOp("global_avg_pool2d", "pool", ("x",), ("y",), (),
+             lambda a, m: [Meta((*m["x"].dims[:2], 1, 1),
+                                pool.packed_strides((*m["x"].dims[:2], 1, 1), pool.layout_of(_operand_meta(m["x"]))),
+                                None)],
+             lambda a, o, e: pool.plan_global_avg_pool2d(o["x"], epilogue=e.steps, params=e.params,
+                                                         out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
+             lambda a, v: (ref.global_avg_pool2d(v["x"]),)),
+    AnchorOp("max_pool2d_backward", "pool", ("dy", "x"), ("dx",), _pool_attrs(),
+             lambda a, m: [Meta(m["x"].dims, pool.packed_strides(m["x"].dims, pool.layout_of(_operand_meta(m["x"]))),
+                                None)],
+             lambda a, o, e: pool.plan_pool2d_backward("max", o["dy"], o["x"].shape, **_window(a), x=o["x"],
+                                                       dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
+             lambda a, v: (ref.max_pool2d_backward(v["dy"], v["x"], **_window(a)),), epilogue=False),
+    AnchorOp("avg_pool2d_backward", "pool", ("dy", "x"), ("dx",), _pool_attrs(_AVG),
+             lambda a, m: [Meta(m["x"].dims, pool.packed_strides(m["x"].dims, pool.layout_of(_operand_meta(m["x"]))),
+                                None)],
+             lambda a, o, e: pool.plan_pool2d_backward("avg", o["dy"], o["x"].shape, **_window(a), **_avg(a),
+                                                       dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
+             lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"].shape, a["kernel"], a["stride"], a["padding"],
+                                                   a["ceil_mode"], **_avg(a)),), epilogue=False),
+)

@@ -325,7 +325,9 @@ class Graph:
                 base = self._plan(group, [self._operand(t) for t in group.inputs], out_align=align).spec
             else:
                 base = kernels.tile_spec(self._anchor_plan(group, self._built_operands(group), align))
-            self.candidates.append(list(dict.fromkeys([base] + kernels.family(group.family).candidates(base))))
+            tiles = group.anchor is None or ANCHORS[group.anchor.op].tiles
+            variants = kernels.family(group.family).candidates(base) if tiles else []
+            self.candidates.append(list(dict.fromkeys([base] + variants)))
         self._state = "planned"
         return self
 
@@ -731,6 +733,31 @@ class Graph:
         """Time every candidate on these buffers, keep the fastest, record all timings (see autotune)."""
         from ..autotune import autotune
         return autotune(self, variant_pack, workspace, repeat=repeat, warmup=warmup)
+
+
+def _anchor_method(op: str):
+    schema = ANCHORS[op]
+
+    def method(self, *tensors, name=None, **kwargs):
+        if len(tensors) > len(schema.roles):
+            raise ValidationError(f"{op}: takes up to {len(schema.roles)} tensors ({', '.join(schema.roles)}), "
+                                  f"got {len(tensors)}", arg=op)
+        inputs = dict(zip(schema.roles, tensors))
+        for key in [k for k in kwargs if k in schema.roles]:
+            if key in inputs:
+                raise ValidationError(f"{op}: '{key}' given twice", arg=key)
+            inputs[key] = kwargs.pop(key)
+        return self._anchor(op, inputs, kwargs, name)
+
+    method.__name__ = op
+    method.__doc__ = (f"{op}({', '.join(schema.inputs)}; {', '.join(f'{k}={v!r}' for k, v in schema.attrs)}) "
+                      f"as a graph node -> {', '.join(schema.outputs)} (optional inputs end in '?').")
+    return method
+
+
+for _op in ANCHORS:
+    setattr(Graph, _op, _anchor_method(_op))
+del _op
 
 
 def _run_group(run: _GroupRun, bound, stream=None) -> None:
