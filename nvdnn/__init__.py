@@ -7,6 +7,9 @@ from .dtypes import bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32,
 from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, gelu, identity, log,
                          maximum, minimum, mul, neg, power, relu, rsqrt, scale, sigmoid, silu, softplus,
                          sqrt, sub, swish, tanh)
+from .functional_anchors import (amax, avg_pool2d, avg_pool2d_backward, batch_norm, batch_norm_backward,
+                                 global_avg_pool2d, group_norm, instance_norm, max, max_pool2d,
+                                 max_pool2d_backward, mean, min, norm1, norm2, prod, sum)
 
 __version__ = "0.1.0"
 

@@ -14,11 +14,13 @@ from typing import Callable, Iterable
 from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
-from .kernels import pointwise
+from .kernels import pointwise, pool, reduce
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "pointwise": pointwise.preset,
+    "reduce": reduce.preset,   # reductions, batch / group / instance norm
+    "pool": pool.preset,
 }
 
 

@@ -239,9 +239,9 @@ def test_candidates_keep_the_work_and_start_with_the_spec():
         cands = pool.candidates(spec)
         assert cands[0] == spec and len(set(cands)) == len(cands) >= 2
         for c in cands:
-            same = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in pool.TILE_FIELDS}
+            same = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in c.tile_fields}
             assert same == {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-                            if f.name not in pool.TILE_FIELDS}
+                            if f.name not in c.tile_fields}
 
 
 def test_unsupported_reason():

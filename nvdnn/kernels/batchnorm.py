@@ -105,6 +105,7 @@ class StatsSpec(KernelSpec):
 @dataclass(frozen=True)
 class AffineSpec(KernelSpec):
     family = "reduce_affine"
+    tile_fields = ("bx", "block", "unroll", "min_blocks")
     template = "reduce/affine.cu.j2"
 
     input: str

@@ -40,7 +40,6 @@ MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
 TILE_H = (1, 2)
 TILE_W = (1, 2, 4)
 CVBS = (1, 2, 4, 8, 16, 32)
-TILE_FIELDS = ("block", "min_blocks", "th", "tw", "cvb")
 TARGET_BLOCKS = 264          # two blocks per H200 multiprocessor: global avg splits its rows below this
 _INT32_LIMIT = 2 ** 31 - 1
 
@@ -102,6 +101,7 @@ class Pool2dSpec(KernelSpec):
     """max_pool2d / avg_pool2d forward. Pointers: y, [indices,] x."""
     family = "pool"
     template = "pool/pool2d.cu.j2"
+    tile_fields = ("block", "min_blocks", "th", "tw")
 
     kind: str                    # "max" | "avg"
     layout: str                  # "nchw" | "nhwc"
@@ -175,6 +175,7 @@ class Pool2dBackwardSpec(KernelSpec):
     """max_pool2d / avg_pool2d backward (gather). Pointers: dx, dy, then indices or x (max)."""
     family = "pool_backward"
     template = "pool/pool2d_backward.cu.j2"
+    tile_fields = ("block", "min_blocks")
 
     kind: str
     source: str                  # max: a SOURCES entry; avg: ""
@@ -238,6 +239,7 @@ class GlobalAvgPoolSpec(KernelSpec):
     """global_avg_pool2d. Pointers: full: y, x; partial: scratch, x; finish: y, scratch."""
     family = "pool_global_avg"
     template = "pool/global_avg.cu.j2"
+    tile_fields = ("block", "cvb")
 
     stage: str
     layout: str                  # "" for the finish stage

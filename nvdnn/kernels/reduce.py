@@ -97,6 +97,7 @@ def _kind_uri(spec) -> str:
 @dataclass(frozen=True)
 class RowReduceSpec(KernelSpec):
     family = "reduce_rows"
+    tile_fields = ("group", "block", "unroll")
     template = "reduce/rows.cu.j2"
 
     kind: str
@@ -143,6 +144,7 @@ class RowReduceSpec(KernelSpec):
 @dataclass(frozen=True)
 class ColReduceSpec(KernelSpec):
     family = "reduce_cols"
+    tile_fields = ("bx", "block", "unroll")
     template = "reduce/cols.cu.j2"
 
     kind: str
