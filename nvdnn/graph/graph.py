@@ -87,6 +87,7 @@ class Graph:
         self.chosen: list[int] = []
         self.binaries: dict[pointwise.PointwiseSpec, KernelBinary] = {}
         self._prepared: dict = {}
+        self._epilogue_of: dict = {}
         self._slot: dict = {}
         self._io: list[Tensor] = []
 
@@ -307,6 +308,11 @@ class Graph:
             for position, t in enumerate(node.inputs):
                 consumers[t.uid].append((node, position))
         self.groups = fusion.partition(self.nodes, consumers)
+        self._epilogue_of = {}  # uid of a fused epilogue's end -> its anchor node, whose layout it has
+        for group in self.groups:
+            if group.anchor is not None and group.output is not group.anchor.output:
+                self._epilogue_of[group.output.uid] = group.anchor
+                group.output.strides = group.anchor.output.strides
         self._io = sorted((t for t in self.tensors.values() if not t.is_virtual), key=lambda t: t.uid)
         self._slot = {}
         for index, t in enumerate(self._io):
@@ -559,20 +565,22 @@ class Graph:
         return runs
 
     def _operand_now(self, t: Tensor, bound, shapes) -> pointwise.Operand:
-        if t.is_virtual:  # materialized in the workspace: packed and 256-byte aligned
-            return pointwise.Operand(t.data_type, shapes[t.uid], contiguous_strides(shapes[t.uid]))
+        if t.is_virtual:  # materialized in the workspace: packed in its layout, 256-byte aligned
+            return pointwise.Operand(t.data_type, shapes[t.uid], self._out_strides(t, shapes, bound))
         a = bound[self._slot[t]]
         return pointwise.Operand(t.data_type, a.shape, tuple(s // a.itemsize for s in a.strides),
                                  arrays.alignment(a.data.ptr))
 
     def _out_strides(self, t: Tensor, shapes, bound) -> tuple:
-        """The strides a node writes ``t`` with at these shapes: packed, or what an anchor infers."""
-        node = t.producer
+        """The strides its kernel writes ``t`` with at these shapes: packed for pointwise kernels;
+        an anchor's inferred layout for its outputs and for the end of its fused epilogue."""
+        node = self._epilogue_of.get(t.uid, t.producer)
         if node.op not in ANCHORS:
             return contiguous_strides(shapes[t.uid])
         metas = {r: Meta(shapes[i.uid], tuple(self._operand_now(i, bound, shapes).strides), i.data_type)
                  for r, i in zip(node.roles, node.inputs)}
-        return ANCHORS[node.op].infer(dict(node.attrs), metas)[node.outputs.index(t)].strides
+        index = node.outputs.index(t) if t in node.outputs else 0
+        return ANCHORS[node.op].infer(dict(node.attrs), metas)[index].strides
 
     def _plan(self, group, operands, spec=None, out_align=16):
         out = group.output
@@ -712,8 +720,8 @@ class Graph:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _operand(self, t: Tensor) -> pointwise.Operand:
-        if t.is_virtual:  # materialized in the workspace: packed and 256-byte aligned
-            return pointwise.Operand(t.data_type, t.dims, contiguous_strides(t.dims))
+        if t.is_virtual:  # materialized in the workspace: packed in its layout, 256-byte aligned
+            return pointwise.Operand(t.data_type, t.dims, t.strides)
         return pointwise.Operand(t.data_type, t.dims, t.strides, t.alignment)
 
     def _arch(self, device: int | None = None) -> str:
