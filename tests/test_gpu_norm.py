@@ -1,0 +1,264 @@
+"""Norm family on the GPU against float64 NumPy: layer / RMS norm and softmax / log-softmax,
+forward and backward, every dtype, outputs poisoned (NaN) first, at the benchmark shapes and odd
+ones (rows of 1, 7, 1000, 65537 elements; one row), both long-row strategies (cluster, two
+passes), fused options (residual, epilogue, cast, mask, causal), strided views."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nvdnn import compiler, dtypes, launcher
+from nvdnn import reference as ref
+from nvdnn.dtypes import of_array
+from nvdnn.kernels import norm
+from nvdnn.kernels.pointwise import Operand
+
+from .gpu import check, poisoned, random, requires_gpu
+
+pytestmark = requires_gpu
+DTYPES = ("float32", "float16", "bfloat16")
+# (rows, L): odd lengths and counts, one row, the benchmark classes (short, medium, long)
+SHAPES = [(1, 1), (7, 7), (3, 1000), (2, 65537), (1, 4096), (33, 4096), (1000, 128), (257, 100), (5, 16384),
+          (2, 40000), (3, 262144)]
+
+
+def arch() -> str:
+    return compiler.device_arch()
+
+
+def operand(a) -> Operand:
+    align = 16
+    while align > 1 and a.data.ptr % align:
+        align //= 2
+    return Operand(of_array(a, arg="x").name, tuple(a.shape), tuple(s // a.itemsize for s in a.strides), align)
+
+
+def uniform(shape, dtype, low, high):
+    return random(shape, dtype, low, high)
+
+
+def check_scaled(got, want, dtype, what):
+    """Sums over many terms: errors relative to the largest magnitude, not to each element."""
+    got = got.get() if hasattr(got, "get") else np.asarray(got)
+    scale = max(1.0, float(np.abs(want).max()))
+    check(got.astype(np.float64) / scale, np.asarray(want) / scale, dtype, what)
+
+
+def run(plan, **tensors):
+    launcher.run(plan, tensors)
+
+
+# -- layer norm / RMS norm forward --------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_and_rms_norm(rows, L, dtype):
+    x, x64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    b, b64 = uniform((L,), dtype, -0.5, 0.5)
+    for target in (None, arch()) if L > 32768 else (None,):
+        y, mean, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32"), poisoned((rows,), "float32")
+        plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), save_stats=True, eps=1e-5,
+                                    arch=target)
+        run(plan, y=y, x=x, gamma=g, beta=b, mean=mean, rstd=rstd)
+        want, want_mean, want_rstd = ref.layer_norm(x64, 1, g64, b64, 1e-5, return_stats=True)
+        what = f"layer_norm {rows}x{L} {plan.launches[0].spec.uri}"
+        check(y, want, dtype, what)
+        check(mean, want_mean, "float32", what + " mean")
+        check(rstd, want_rstd, "float32", what + " rstd")
+        y = poisoned((rows, L), dtype)
+        plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), eps=1e-6, arch=target)
+        run(plan, y=y, x=x, gamma=g)
+        check(y, ref.rms_norm(x64, 1, g64, 1e-6), dtype, f"rms_norm {rows}x{L} {plan.launches[0].spec.uri}")
+        y = poisoned((rows, L), dtype)
+        run(norm.plan_layer_norm(operand(x), 1, arch=target), y=y, x=x)
+        check(y, ref.layer_norm(x64, 1), dtype, f"layer_norm without affine {rows}x{L}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_mean_small_spread_is_stable(dtype):
+    base, base64 = random((64, 4096), dtype, -1.0, 1.0)
+    x = (base + 300).astype(base.dtype)
+    x64 = x.get().astype(np.float64)
+    y = poisoned(x.shape, dtype)
+    run(norm.plan_layer_norm(operand(x), 1), y=y, x=x)
+    check(y, ref.layer_norm(x64, 1), dtype, "mean 300, spread 1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_residual_epilogue_and_cast(dtype):
+    rows, L = 129, 4096
+    x, x64 = random((rows, L), dtype)
+    r, r64 = random((rows, L), "float32")
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    h64 = (x64 + r64).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)  # h is rounded to x's dtype
+    out = "bfloat16" if dtype == "float32" else "float32"
+    y, h = poisoned((rows, L), out), poisoned((rows, L), dtype)
+    plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), residual=operand(r), write_sum=True,
+                              epilogue=[("gelu", ""), ("mul", "p")], params=(0.5,), out_dtype=out)
+    run(plan, y=y, x=x, residual=r, h=h, gamma=g)
+    check(h, h64, dtype, "h = x + residual")
+    check(y, 0.5 * ref.gelu(ref.rms_norm(h64, 1, g64)), out, "gelu(rms_norm(h)) * 0.5")
+    y = poisoned((rows, L), dtype)
+    plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), residual=operand(r),
+                                epilogue=[("relu", "")], params=(0.0, np.inf))
+    run(plan, y=y, x=x, residual=r, gamma=g)
+    check(y, ref.relu(ref.layer_norm(h64, 1, g64)), dtype, "relu(layer_norm(x + residual))")
+
+
+def test_normalized_ndim_2_and_strided_views():
+    x, x64 = random((6, 8, 130), "float32")
+    y = poisoned((6, 8, 128), "float32")
+    view, view64 = x[:, :, 1:129], x64[:, :, 1:129]  # misaligned rows of a wider tensor
+    run(norm.plan_layer_norm(operand(view), 1), y=y, x=view)
+    check(y, ref.layer_norm(view64, 1), "float32", "row slices, misaligned")
+    full, full64 = random((6, 8, 128), "bfloat16")
+    y = poisoned((6, 8, 128), "bfloat16")
+    run(norm.plan_layer_norm(operand(full), 2), y=y, x=full)
+    check(y, ref.layer_norm(full64, 2), "bfloat16", "normalized_ndim=2")
+    t, t64 = random((300, 40), "float16")
+    y = poisoned((40, 300), "float16")
+    run(norm.plan_rms_norm(operand(t.T), 1), y=y, x=t.T)
+    check(y, ref.rms_norm(t64.T, 1), "float16", "transposed (strided elements)")
+    y = poisoned((300, 40), "float16")
+    run(norm.plan_rms_norm(operand(t[::-1]), 1), y=y, x=t[::-1])
+    check(y, ref.rms_norm(t64[::-1], 1), "float16", "negative row stride")
+
+
+# -- softmax forward --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_and_log_softmax(rows, L, dtype):
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    for target in (None, arch()) if L > 32768 else (None,):
+        for log in (False, True):
+            y = poisoned((rows, L), dtype)
+            plan = norm.plan_softmax(operand(x), -1, log=log, arch=target)
+            run(plan, y=y, x=x)
+            want = ref.log_softmax(x64) if log else ref.softmax(x64)
+            check(y, want, dtype, f"{'log_' if log else ''}softmax {rows}x{L} {plan.launches[0].spec.uri}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masks_causal_and_fully_masked_rows(dtype):
+    b, h, sq, sk = 2, 3, 100, 130
+    x, x64 = random((b, h, sq, sk), dtype)
+    mask, mask64 = random((sq, sk), "bfloat16", -2.0, 2.0)
+    for log in (False, True):
+        y = poisoned(x.shape, dtype)
+        run(norm.plan_softmax(operand(x), -1, log=log, mask=operand(mask), causal=True), y=y, x=x, mask=mask)
+        f = ref.log_softmax if log else ref.softmax
+        check(y, f(x64, mask=mask64, causal=True), dtype, f"mask + causal, log={log}")
+    keys = np.zeros((sk,), np.float32)
+    keys[::3] = -np.inf
+    import cupy
+    pad, pad64 = cupy.asarray(keys), keys.astype(np.float64)
+    y = poisoned(x.shape, dtype)
+    run(norm.plan_softmax(operand(x), -1, mask=operand(pad)), y=y, x=x, mask=pad)
+    check(y, ref.softmax(x64, mask=pad64), dtype, "key padding mask (L,)")
+    # Sk < Sq: the first Sq - Sk rows see nothing: 0 from softmax, -inf from log_softmax, never NaN
+    x2, x264 = random((4, 9, 5), dtype)
+    for log in (False, True):
+        y = poisoned(x2.shape, dtype)
+        run(norm.plan_softmax(operand(x2), -1, log=log, causal=True), y=y, x=x2)
+        got = y.get().astype(np.float64)
+        assert not np.isnan(got).any()
+        check(y, (ref.log_softmax if log else ref.softmax)(x264, causal=True), dtype, f"fully masked rows, log={log}")
+    rowmask = cupy.full((4, 9, 1), -np.inf, dtype=cupy.float32)
+    y = poisoned(x2.shape, dtype)
+    run(norm.plan_softmax(operand(x2), -1, mask=operand(rowmask)), y=y, x=x2, mask=rowmask)
+    assert (y.get() == 0).all()
+
+
+@pytest.mark.parametrize("shape,axis", [((7, 13, 3), 1), ((2, 50, 24), 1), ((64, 5), 0), ((3, 4, 5, 6), 1),
+                                        ((5, 1000, 16), 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_along_inner_axes(shape, axis, dtype):
+    x, x64 = random(shape, dtype, -8.0, 8.0)
+    for log in (False, True):
+        y = poisoned(shape, dtype)
+        plan = norm.plan_softmax(operand(x), axis, log=log)
+        assert plan.launches[0].spec.family == "softmax_cols"
+        run(plan, y=y, x=x)
+        check(y, (ref.log_softmax if log else ref.softmax)(x64, axis), dtype, f"axis {axis} of {shape}, log={log}")
+        dy, dy64 = random(shape, dtype)
+        y64 = y.get().astype(np.float64)  # the forward's output, rounded as the backward sees it
+        dx = poisoned(shape, dtype)
+        run(norm.plan_softmax_backward(operand(dy), operand(y), axis, log=log), dx=dx, dy=dy, y=y)
+        backward = ref.log_softmax_backward if log else ref.softmax_backward
+        check_scaled(dx, backward(dy64, y64, axis), dtype, f"backward axis {axis} of {shape}, log={log}")
+
+
+# -- backward ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_backward(rows, L, dtype):
+    import cupy
+    x, x64 = random((rows, L), dtype)
+    dy, dy64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    _, mean64, rstd64 = ref.layer_norm(x64, 1, eps=1e-5, return_stats=True)
+    mean, rstd = cupy.asarray(mean64.astype(np.float32)), cupy.asarray(rstd64.astype(np.float32))
+    dx, dgamma, dbeta = poisoned((rows, L), dtype), poisoned((L,), dtype), poisoned((L,), dtype)
+    plan = norm.plan_layer_norm_backward(operand(dy), operand(x), 1, mean=operand(mean), rstd=operand(rstd),
+                                         gamma=operand(g), beta=operand(g))
+    tensors = dict(dx=dx, dy=dy, x=x, mean=mean, rstd=rstd, gamma=g, dgamma=dgamma, dbeta=dbeta)
+    run(plan, **tensors)
+    want_dx, want_dg, want_db = ref.layer_norm_backward(dy64, x64, 1, g64, eps=1e-5)
+    what = f"layer_norm backward {rows}x{L} {plan.launches[0].spec.uri}"
+    check_scaled(dx, want_dx, dtype, what + " dx")
+    check_scaled(dgamma, want_dg, dtype, what + " dgamma")
+    check_scaled(dbeta, want_db, dtype, what + " dbeta")
+    first = dgamma.copy()
+    run(plan, **tensors)
+    assert bool(cupy.array_equal(first, dgamma)), "dgamma differs between two runs"
+    _, rrstd64 = ref.rms_norm(x64, 1, eps=1e-6, return_stats=True)
+    rrstd = cupy.asarray(rrstd64.astype(np.float32))
+    dx, dgamma = poisoned((rows, L), dtype), poisoned((L,), dtype)
+    plan = norm.plan_rms_norm_backward(operand(dy), operand(x), 1, rstd=operand(rrstd), gamma=operand(g))
+    run(plan, dx=dx, dy=dy, x=x, rstd=rrstd, gamma=g, dgamma=dgamma)
+    want_dx, want_dg = ref.rms_norm_backward(dy64, x64, 1, g64, eps=1e-6)
+    check_scaled(dx, want_dx, dtype, f"rms_norm backward {rows}x{L} dx")
+    check_scaled(dgamma, want_dg, dtype, f"rms_norm backward {rows}x{L} dgamma")
+    dx = poisoned((rows, L), dtype)
+    run(norm.plan_layer_norm_backward(operand(dy), operand(x), 1, mean=operand(mean), rstd=operand(rstd)),
+        dx=dx, dy=dy, x=x, mean=mean, rstd=rstd)
+    check_scaled(dx, ref.layer_norm_backward(dy64, x64, 1, eps=1e-5)[0], dtype, "layer_norm backward without affine")
+
+
+@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_backward(rows, L, dtype):
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    dy, dy64 = random((rows, L), dtype)
+    for log in (False, True):
+        y = poisoned((rows, L), dtype)
+        run(norm.plan_softmax(operand(x), -1, log=log), y=y, x=x)
+        y64 = y.get().astype(np.float64)
+        dx = poisoned((rows, L), dtype)
+        plan = norm.plan_softmax_backward(operand(dy), operand(y), -1, log=log)
+        run(plan, dx=dx, dy=dy, y=y)
+        backward = ref.log_softmax_backward if log else ref.softmax_backward
+        check_scaled(dx, backward(dy64, y64), dtype, f"{'log_' if log else ''}softmax backward {rows}x{L} "
+                     f"{plan.launches[-1].spec.uri}")
+
+
+def test_more_than_2_pow_31_elements():
+    import cupy
+    rows, L = (1 << 19) + 3, 4096
+    x = cupy.empty((rows, L), dtype=cupy.float16)
+    for start in range(0, rows, 1 << 16):
+        stop = min(rows, start + (1 << 16))
+        x[start:stop] = cupy.random.uniform(-4, 4, (stop - start, L), dtype=cupy.float32).astype(cupy.float16)
+    y = cupy.full((rows, L), np.nan, dtype=cupy.float16)
+    plan = norm.plan_rms_norm(operand(x), 1)
+    assert plan.launches[0].spec.index == "int64"
+    run(plan, y=y, x=x)
+    pick = np.concatenate([np.arange(4), np.arange(rows - 4, rows), np.random.default_rng().integers(0, rows, 256)])
+    idx = cupy.asarray(pick)
+    check(y[idx], ref.rms_norm(x[idx].get(), 1), "float16", "rows past 2^31 elements (sampled)")
+    assert not bool(cupy.isnan(y).any()), "elements left unwritten"
+    del x, y
+    cupy.get_default_memory_pool().free_all_blocks()
