@@ -265,3 +265,68 @@ def avg_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, ceil_mode=Fa
     return call("avg_pool2d_backward", {"dy": dy, "x": x},
                 {**_window(kernel_size, stride, padding, 1, ceil_mode), "count_include_pad": bool(count_include_pad),
                  "divisor_override": divisor_override}, dtype=dtype, stream=stream)
+
+
+# -- layer / RMS norm and softmax -----------------------------------------------------------------
+
+def _normalized(x, gamma, normalized_ndim) -> int:
+    if normalized_ndim is not None:
+        return int(normalized_ndim)
+    return getattr(gamma, "ndim", 1) if gamma is not None else 1
+
+
+def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, residual=None, activation=None,
+               return_stats=False, out=None, dtype=None, stream=None, **activation_params):
+    """``activation((h - mean) / sqrt(var + eps) * gamma + beta)`` over the last
+    ``normalized_ndim`` dims (default: gamma's rank, else 1), h = x + residual when given (one
+    kernel). ``return_stats``: also the float32 mean and rstd per row, for the backward."""
+    op = "layer_norm_training" if return_stats else "layer_norm"
+    return call(op, {"x": x, "gamma": gamma, "beta": beta, "residual": residual},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": float(eps)},
+                activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
+
+
+def rms_norm(x, gamma=None, *, eps=1e-6, normalized_ndim=None, residual=None, activation=None, return_stats=False,
+             out=None, dtype=None, stream=None, **activation_params):
+    """``activation(h / sqrt(mean(h**2) + eps) * gamma)`` over the last ``normalized_ndim`` dims,
+    h = x + residual when given. ``return_stats``: also the float32 rstd per row."""
+    op = "rms_norm_training" if return_stats else "rms_norm"
+    return call(op, {"x": x, "gamma": gamma, "residual": residual},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": float(eps)},
+                activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
+
+
+def layer_norm_backward(dy, x, mean, rstd, gamma, beta, *, normalized_ndim=None, dtype=None, stream=None):
+    """(dx, dgamma, dbeta) of layer_norm from the forward's x (h with a residual) and saved statistics."""
+    return call("layer_norm_backward", {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "gamma": gamma, "beta": beta},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim)}, dtype=dtype, stream=stream)
+
+
+def rms_norm_backward(dy, x, rstd, gamma, *, normalized_ndim=None, dtype=None, stream=None):
+    """(dx, dgamma) of rms_norm from the forward's x and saved rstd."""
+    return call("rms_norm_backward", {"dy": dy, "x": x, "rstd": rstd, "gamma": gamma},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim)}, dtype=dtype, stream=stream)
+
+
+def softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream=None):
+    """exp(t - max) / sum along ``axis``, t = x + ``mask`` (additive, broadcast to x). ``causal``:
+    viewing the last two dims as (Sq, Sk), position (i, j) is masked where j > i + Sk - Sq; a
+    fully masked row gives zeros."""
+    return call("softmax", {"x": x, "mask": mask}, {"axis": int(axis), "causal": bool(causal)}, out=out,
+                dtype=dtype, stream=stream)
+
+
+def log_softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream=None):
+    """log(softmax(x)) along ``axis``, computed stably; masking as ``softmax``."""
+    return call("log_softmax", {"x": x, "mask": mask}, {"axis": int(axis), "causal": bool(causal)}, out=out,
+                dtype=dtype, stream=stream)
+
+
+def softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
+    """dx = y * (dy - sum(dy * y)) from softmax's output y."""
+    return call("softmax_backward", {"dy": dy, "y": y}, {"axis": int(axis)}, dtype=dtype, stream=stream)
+
+
+def log_softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
+    """dx = dy - exp(y) * sum(dy) from log_softmax's output y."""
+    return call("log_softmax_backward", {"dy": dy, "y": y}, {"axis": int(axis)}, dtype=dtype, stream=stream)

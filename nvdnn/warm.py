@@ -14,11 +14,12 @@ from typing import Callable, Iterable
 from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
-from .kernels import pointwise, pool, reduce
+from .kernels import norm, pointwise, pool, reduce
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "pointwise": pointwise.preset,
+    "norms": norm.preset,      # layer / RMS norm, softmax, log-softmax, forward and backward
     "reduce": reduce.preset,   # reductions, batch / group / instance norm
     "pool": pool.preset,
 }

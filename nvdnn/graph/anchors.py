@@ -69,14 +69,15 @@ def _plain(value) -> bool:
 
 
 class Epilogue(NamedTuple):
-    """What fusion hands a family plan beside the operands: pointwise steps after the main
+    """What the graph hands a family plan beside the operands: pointwise steps after the main
     output and their scalars, the main output's data type and address alignment, a tile
-    (a candidate spec) to force."""
+    (a candidate spec) to force, and the arch (None: any)."""
     steps: tuple = ()
     params: tuple = ()
     out_dtype: str | None = None
     out_align: int = 16
     tile: object = None
+    arch: str | None = None
 
 
 ANCHORS: dict[str, AnchorOp] = {}
@@ -90,7 +91,7 @@ def register(*ops: AnchorOp) -> None:
 # -- the rows -------------------------------------------------------------------------------------
 # Imported here, after the framework: each family module is plain Python (no CUDA at import).
 from .. import reference as ref  # noqa: E402
-from ..kernels import batchnorm, pool, reduce  # noqa: E402
+from ..kernels import batchnorm, norm, pool, reduce  # noqa: E402
 from .tensor import contiguous_strides  # noqa: E402
 
 
@@ -213,4 +214,94 @@ register(
                                                        dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
              lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"].shape, a["kernel"], a["stride"], a["padding"],
                                                    a["ceil_mode"], **_avg(a)),), epilogue=False),
+)
+
+
+def _lead(m, a) -> Meta:
+    """Per-row statistics of a norm over the last ``normalized_ndim`` dims: float32, packed."""
+    return _packed(m["x"].dims[:len(m["x"].dims) - a["normalized_ndim"]] or (1,), "float32")
+
+
+def _norm_plan(kind: str, stats: bool):
+    plan = norm.plan_layer_norm if kind == "layer" else norm.plan_rms_norm
+
+    def make(a, o, e):
+        extra = {"beta": o.get("beta")} if kind == "layer" else {}
+        return plan(o["x"], a["normalized_ndim"], gamma=o.get("gamma"), residual=o.get("residual"), save_stats=stats,
+                    eps=a["eps"], epilogue=e.steps, params=e.params, out_dtype=e.out_dtype, out_align=e.out_align,
+                    arch=e.arch, tile=e.tile, **extra)
+    return make
+
+
+def _residual(v):
+    return v["x"] + v["residual"] if "residual" in v else v["x"]
+
+
+def _norm_rows(kind: str, eps: float):
+    affine = ("x", "gamma?", "beta?", "residual?") if kind == "layer" else ("x", "gamma?", "residual?")
+    attrs = (("normalized_ndim", 1), ("eps", eps))
+    forward = ref.layer_norm if kind == "layer" else ref.rms_norm
+
+    def reference(a, v, stats):
+        extra = {"beta": v.get("beta")} if kind == "layer" else {}
+        out = forward(_residual(v), a["normalized_ndim"], gamma=v.get("gamma"), eps=a["eps"], return_stats=stats,
+                      **extra)
+        return out if stats else (out,)
+
+    stats = ("mean", "rstd") if kind == "layer" else ("rstd",)
+    return (
+        AnchorOp(f"{kind}_norm" if kind == "layer" else "rms_norm", "norm", affine, ("y",), attrs,
+                 lambda a, m: [_packed(m["x"].dims)], _norm_plan(kind, False),
+                 lambda a, v: reference(a, v, False), residual="residual"),
+        AnchorOp(f"{kind}_norm_training" if kind == "layer" else "rms_norm_training", "norm", affine,
+                 ("y",) + stats, attrs,
+                 lambda a, m: [_packed(m["x"].dims)] + [_lead(m, a)] * len(stats), _norm_plan(kind, True),
+                 lambda a, v: reference(a, v, True), residual="residual"),
+    )
+
+
+def _softmax_row(log: bool) -> AnchorOp:
+    name = "log_softmax" if log else "softmax"
+    return AnchorOp(name, "norm", ("x", "mask?"), ("y",), (("axis", -1), ("causal", False)),
+                    lambda a, m: [_packed(m["x"].dims)],
+                    lambda a, o, e: norm.plan_softmax(o["x"], a["axis"], log=log, mask=o.get("mask"),
+                                                      causal=a["causal"], epilogue=e.steps, params=e.params,
+                                                      out_dtype=e.out_dtype, out_align=e.out_align, arch=e.arch,
+                                                      tile=e.tile),
+                    lambda a, v: (getattr(ref, name)(v["x"], a["axis"], v.get("mask"), a["causal"]),))
+
+
+def _softmax_backward_row(log: bool) -> AnchorOp:
+    name = "log_softmax_backward" if log else "softmax_backward"
+    return AnchorOp(name, "norm", ("dy", "y"), ("dx",), (("axis", -1),),
+                    lambda a, m: [_packed(m["y"].dims)],
+                    lambda a, o, e: norm.plan_softmax_backward(o["dy"], o["y"], a["axis"], log=log,
+                                                               dx_dtype=e.out_dtype, out_align=e.out_align,
+                                                               tile=e.tile),
+                    lambda a, v: (getattr(ref, name)(v["dy"], v["y"], a["axis"]),), epilogue=False)
+
+
+def _weights(m, a, role) -> Meta:
+    return _packed(m["x"].dims[len(m["x"].dims) - a["normalized_ndim"]:], m[role].data_type)
+
+
+register(
+    *_norm_rows("layer", 1e-5), *_norm_rows("rms", 1e-6),
+    AnchorOp("layer_norm_backward", "norm", ("dy", "x", "mean", "rstd", "gamma", "beta"), ("dx", "dgamma", "dbeta"),
+             (("normalized_ndim", 1), ("eps", 1e-5)),
+             lambda a, m: [_packed(m["x"].dims), _weights(m, a, "gamma"), _weights(m, a, "beta")],
+             lambda a, o, e: norm.plan_layer_norm_backward(o["dy"], o["x"], a["normalized_ndim"], mean=o["mean"],
+                                                           rstd=o["rstd"], gamma=o["gamma"], beta=o["beta"],
+                                                           dx_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
+             lambda a, v: ref.layer_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
+             epilogue=False),
+    AnchorOp("rms_norm_backward", "norm", ("dy", "x", "rstd", "gamma"), ("dx", "dgamma"),
+             (("normalized_ndim", 1), ("eps", 1e-6)),
+             lambda a, m: [_packed(m["x"].dims), _weights(m, a, "gamma")],
+             lambda a, o, e: norm.plan_rms_norm_backward(o["dy"], o["x"], a["normalized_ndim"], rstd=o["rstd"],
+                                                         gamma=o["gamma"], dx_dtype=e.out_dtype,
+                                                         out_align=e.out_align, tile=e.tile),
+             lambda a, v: ref.rms_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
+             epilogue=False),
+    _softmax_row(False), _softmax_row(True), _softmax_backward_row(False), _softmax_backward_row(True),
 )

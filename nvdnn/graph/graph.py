@@ -594,7 +594,8 @@ class Graph:
 
     def _anchor_plan(self, group, operands: dict, out_align: int = 16, tile=None):
         """The family plan of an anchor group for these operands (role -> Operand)."""
-        epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile)
+        epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile,
+                            self.arch)
         try:
             return ANCHORS[group.anchor.op].plan(dict(group.anchor.attrs), operands, epilogue)
         except ValidationError as exc:
