@@ -15,8 +15,9 @@ print(f"device {props['name'].decode()} arch {compiler.device_arch()} NVRTC {com
       f"entries {nvdnn.default_cache().info()['entries']}")
 PY
 python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
-python3 benchmarks/bench_pointwise.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
-python3 benchmarks/bench_graph.py --json "$out/bench_graph.json" 2>&1 | tee "$out/bench_graph.log"
+for bench in pointwise graph norm reduce pool; do
+  python3 benchmarks/bench_$bench.py --json "$out/bench_$bench.json" 2>&1 | tee "$out/bench_$bench.log"
+done
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
 if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters for the GELU kernels
   ncu --clock-control none --kernel-name nvdnn_pointwise --launch-skip 6 --launch-count 2 \

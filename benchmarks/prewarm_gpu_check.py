@@ -1,5 +1,5 @@
 """Compile on the CPU what benchmarks/gpu_check.sh needs, so the GPU machine compiles nothing:
-the pointwise preset, the graphs of the GPU tests and benchmarks (deviceless builds), and
+every family's preset, the graphs of the GPU tests and benchmarks (deviceless builds), and
 the specs of an earlier GPU run's recording if given. Writes the CPU-built blob the GPU
 tests load in a fresh process (NVDNN_TEST_BLOB).
 
@@ -57,7 +57,7 @@ def main():
                         help="an NVDNN_RECORD file from an earlier GPU run (default: the one kept here)")
     args = parser.parse_args()
     cache = nvdnn.default_cache()
-    jobs = [(spec, args.arch) for spec in warm.preset_specs(["pointwise"])]
+    jobs = [(spec, args.arch) for spec in warm.preset_specs(list(warm.PRESETS))]
     if args.record and os.path.exists(args.record):  # a recording of older spec fields is skipped whole
         try:
             jobs += [(spec, arch or args.arch) for spec, arch in warm.read_spec_file(args.record)]
