@@ -1138,21 +1138,20 @@ def candidates(spec: KernelSpec) -> list[KernelSpec]:
 
     if spec.split in ("stats", "apply"):
         for tpr in (256, 512, 1024):
-            for nv in (n for n in NVS if n <= most):
+            for nv in (n for n in NVS if n <= min(4, most)):
                 add(tpr=tpr, nv=nv, min_blocks=_min_blocks(tpr, threads))
         return list(out)
     vectors = spec.tpr * spec.nv * spec.cluster
     clusters = (1,) if spec.split == "none" else CLUSTERS[1:]
     for cl in clusters:
-        for nv in (n for n in NVS if n <= most):
+        for nv in (n for n in NVS if n <= min(4, most)):
             tpr = vectors // (nv * cl)
             if tpr not in TPRS or tpr * nv * cl != vectors:
                 continue
             rpbs = [max(1, b // tpr) for b in (128, 256, 512)] if spec.split == "none" else [1]
             for rpb in dict.fromkeys(rpbs):
-                block = tpr * rpb
-                for m in dict.fromkeys((_min_blocks(block, threads), _min_blocks(block, 2 * threads))):
-                    add(tpr=tpr, nv=nv, rpb=rpb, cluster=cl, split="cluster" if cl > 1 else "none", min_blocks=m)
+                add(tpr=tpr, nv=nv, rpb=rpb, cluster=cl, split="cluster" if cl > 1 else "none",
+                    min_blocks=_min_blocks(tpr * rpb, threads))
     if spec.split == "cluster":  # the portable two-pass form of the same work
         add(tpr=512, nv=min(2, most), rpb=1, cluster=1, split="apply", min_blocks=_min_blocks(512, threads))
     return list(out)
