@@ -196,7 +196,7 @@ def _batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, ep
             out_dtype=dtype or operands["x"].dtype, out_align=16 if out is None else arrays.alignment(out.data.ptr))
     xa = xs["x"]
     y = out if out is not None else _empty(xa.shape, tuple(s // xa.itemsize for s in xa.strides),
-                                           dtypes.BY_NAME[dtype or dtypes.of_array(xa).name].np)
+                                           dtypes.BY_NAME[dtype or dtypes.of_array(xa, arg="x").name].np)
     channels = xa.shape[1]
     saved_mean, saved_invstd = cp.empty(channels, cp.float32), cp.empty(channels, cp.float32)
     launcher.run(plan, {**xs, "y": y, "saved_mean": saved_mean, "saved_invstd": saved_invstd}, stream=stream)

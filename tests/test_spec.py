@@ -303,11 +303,11 @@ def test_a_wide_bias_takes_row_tiles_and_keeps_them_at_other_row_counts():
     steps = [("add", "x1"), ("gelu", "")]
     wide = plan(steps, [op("bfloat16", (16384, 4096)), op("bfloat16", (4096,))], "bfloat16")
     assert wide.spec.row_tiles and wide.spec.uri.endswith(".rows")
-    assert wide.grid == (16384 // wide.spec.unroll, 4096 // 8 // wide.spec.block, 1)
+    assert wide.grid == (4096 // 8 // wide.spec.block, 16384 // wide.spec.unroll, 1)
     assert len(wide.int_args) == 3  # n, rows, cols: no divisor magic
     one_row = plan(steps, [op("bfloat16", (1, 4096)), op("bfloat16", (4096,))], "bfloat16",
                    tile=wide.spec, pattern=pointwise.Pattern.of((16384, 4096), [(16384, 4096), (1, 4096)]))
-    assert one_row.spec == wide.spec and one_row.grid == (1, 4096 // 8 // wide.spec.block, 1)
+    assert one_row.spec == wide.spec and one_row.grid == (4096 // 8 // wide.spec.block, 1, 1)
     narrow = plan(steps, [op("bfloat16", (16384, 64)), op("bfloat16", (64,))], "bfloat16")
     assert not narrow.spec.row_tiles
     nchw = plan([("add", "x1")], [op("float16", (2, 64, 8, 8)), op("float16", (64, 1, 1))], "float16")

@@ -368,8 +368,6 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
     block, unroll, min_blocks, l2_prefetch, row_tiles = (
         _heuristic(n // vec, row_cols) if tile is None else
         (tile.block, tile.unroll, tile.min_blocks, tile.l2_prefetch, tile.row_tiles and fits))
-    if row_tiles and -(-row_cols // block) > MAX_GRID_Y:
-        row_tiles = False
     index = "int64" if max_offset + block * unroll * vec >= _INT32_LIMIT else "int32"
     spec = PointwiseSpec(steps=tuple(steps), inputs=tuple(op.dtype for op in operands),
                          access=tuple(access), zero=tuple(zero), output=output, ndim=ndim, vec=vec,
@@ -383,9 +381,10 @@ def plan(steps, operands: list[Operand], output: str, *, names: list[str] | None
 
 
 def grid_for(spec: PointwiseSpec, n: int, sizes) -> tuple[int, int, int]:
-    """One block per tile of block * unroll vectors; row tiles: unroll rows by block column vectors."""
+    """One block per tile of block * unroll vectors; row tiles: column blocks in x, tiles of
+    unroll rows in y (at most MAX_GRID_Y; blocks stride over the rest)."""
     if spec.row_tiles:
-        return (max(1, -(-sizes[0] // spec.unroll)), -(-(sizes[1] // spec.vec) // spec.block), 1)
+        return (-(-(sizes[1] // spec.vec) // spec.block), max(1, min(MAX_GRID_Y, -(-sizes[0] // spec.unroll))), 1)
     return (max(1, -(-(n // spec.vec) // (spec.block * spec.unroll))), 1, 1)
 
 
