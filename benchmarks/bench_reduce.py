@@ -127,6 +127,7 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
         trm, trv = tm.clone(), tv.clone()
         theirs = lambda i: F.relu(F.batch_norm(tx[i], trm, trv, tg, tb, True, 0.1, 1e-5))  # noqa: E731
     else:
+        tg, tb = tg.to(tx[0].dtype), tb.to(tx[0].dtype)  # PyTorch's group_norm wants x's type for both
         theirs = lambda i: F.relu(F.group_norm(tx[i], 32, tg, tb, 1e-5))  # noqa: E731
     t_theirs = time_ms(theirs, count)
     ours(0)
