@@ -4,7 +4,6 @@ the launch geometry), the preset compiled for sm_80 / sm_90 without spills, and 
 (128-bit accesses, cluster barriers)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import subprocess

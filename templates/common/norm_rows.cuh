@@ -22,30 +22,34 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
-template <int P, typename T> __device__ __forceinline__ void unpack(const Vec<T, P>& v, float* out) {
-#pragma unroll
-  for (int j = 0; j < P; ++j) out[j] = to_float(v.v[j]);
-}
-// bfloat16 pairs: one shift or mask per element (the generic conversion takes two).
-template <int P> __device__ __forceinline__ void unpack(const Vec<__nv_bfloat16, P>& v, float* out) {
-  if constexpr (P % 2 == 0) {
-    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
-#pragma unroll
-    for (int i = 0; i < P / 2; ++i) {
-      out[2 * i] = __uint_as_float(w[i] << 16);
-      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  } else {
-    out[0] = to_float(v.v[0]);
-  }
-}
-
 // N elements to / from float registers, in pieces of at most 16 bytes (a float32 vector of 8 is
 // two 128-bit accesses): the address must be aligned to min(16, N * sizeof(T)) bytes.
 template <int N, typename T> __device__ __forceinline__ void load(float (&out)[N], const T* p) {
   constexpr int PIECE = sizeof(T) * N > 16 ? 16 / sizeof(T) : N;
 #pragma unroll
-  for (int c = 0; c < N; c += PIECE) unpack<PIECE>(load_vec<PIECE>(p + c), out + c);
+  for (int c = 0; c < N; c += PIECE) {
+    const Vec<T, PIECE> v = load_vec<PIECE>(p + c);
+#pragma unroll
+    for (int j = 0; j < PIECE; ++j) out[c + j] = to_float(v.v[j]);
+  }
+}
+// bfloat16 pairs read as 32-bit words: one shift or one mask per element (element by element,
+// the upper one takes two).
+template <int N> __device__ __forceinline__ void load(float (&out)[N], const bfloat16* p) {
+  if constexpr (N % 2 == 0) {
+    constexpr int WORDS = N / 2 > 4 ? 4 : N / 2;
+#pragma unroll
+    for (int c = 0; c < N / 2; c += WORDS) {
+      const Vec<unsigned, WORDS> w = load_vec<WORDS>(reinterpret_cast<const unsigned*>(p) + c);
+#pragma unroll
+      for (int i = 0; i < WORDS; ++i) {
+        out[2 * (c + i)] = __uint_as_float(w.v[i] << 16);
+        out[2 * (c + i) + 1] = __uint_as_float(w.v[i] & 0xffff0000u);
+      }
+    }
+  } else {
+    out[0] = to_float(p[0]);
+  }
 }
 template <int N, typename T> __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   constexpr int PIECE = sizeof(T) * N > 16 ? 16 / sizeof(T) : N;
@@ -75,7 +79,18 @@ template <int K_> struct Sum {
   }
 };
 
-// (max, sum of exp(x - max)) of softmax; (-inf, 0) is the identity (and a fully masked part).
+// Maxima (NaN does not win: a NaN row still ends NaN through its sum).
+struct Max {
+  static constexpr int K = 1;
+  using State = Stat<K>;
+  static __device__ __forceinline__ State combine(const State& a, const State& b) {
+    State r;
+    r.v[0] = fmaxf(a.v[0], b.v[0]);
+    return r;
+  }
+};
+
+// (max, sum of exp(x - max)) of softmax row parts held by different blocks; (-inf, 0) is the identity (and a fully masked part).
 struct MaxExp {
   static constexpr int K = 2;
   using State = Stat<K>;
@@ -120,8 +135,10 @@ template <class Op, int W> __device__ __forceinline__ typename Op::State warp_re
 }
 
 // Combine across each group of TPR consecutive threads of the block; every thread of a group
-// gets the group's result. Groups wider than a warp meet in `smem` (BLOCK / 32 entries). Every
-// thread of the block must call it (rows past the end take part with the identity).
+// gets the group's result. Groups wider than a warp meet in `smem` (BLOCK / 32 entries), which
+// the next reduction must not reuse: give each its own, or alternate two (a later barrier
+// separates the reads of one use from the writes of the use after next). Every thread of the
+// block must call it (rows past the end take part with the identity).
 template <class Op, int TPR>
 __device__ __forceinline__ typename Op::State group_reduce(typename Op::State s, typename Op::State* smem) {
   if constexpr (TPR <= 32) {
@@ -133,7 +150,6 @@ __device__ __forceinline__ typename Op::State group_reduce(typename Op::State s,
     if (lane == 0) smem[warp] = s;
     __syncthreads();
     s = smem[(warp & ~(W - 1)) + (lane & (W - 1))];
-    __syncthreads();  // smem is free again for the next reduction
     return warp_reduce<Op, W>(s);
   }
 }
