@@ -708,12 +708,15 @@ def _min_blocks(block: int, threads: int) -> int:
 
 def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, max_tpr: int = 1024) -> Tile:
     """Threads per row for about two vectors (forward) or one (backward) each, at most four
-    vectors (and FORWARD_EPT / BACKWARD_EPT elements) a thread: more spill at 1024 threads. Rows
-    per block up to 256 threads; past a block's reach, a cluster (forward, sm_90) or two passes."""
+    vectors (and FORWARD_EPT / BACKWARD_EPT elements) a thread: more spill at 1024 threads; a
+    warp per row up to 1024 16-bit elements. Rows per block up to 256 threads; past a block's
+    reach, a cluster (forward, sm_90) or two passes."""
     ept = BACKWARD_EPT if backward else FORWARD_EPT
     target, most = (1 if backward else 2), max(1, min(4, ept // vec))
     threads = 512 if backward else 1024  # 128 or 64 registers per thread
     tpr = min(max_tpr, _pow2_at_least(-(-nvecs // target)))
+    if not backward and tpr == 64 and nvecs <= 32 * most:
+        tpr = 32  # a warp per row while it can hold the row: no block barrier between rows
     nv = _pow2_at_least(-(-nvecs // tpr))
     if nv <= most:
         rpb = max(1, 256 // tpr)
