@@ -39,8 +39,8 @@ class DType:
 
 _TABLE = (
     DType("float32", "f32", "float", 4, "numpy.float32", "numpy.float32", "float32", True),
-    DType("float16", "f16", "__half", 2, "numpy.float16", "numpy.float16", "float16", True),
-    DType("bfloat16", "bf16", "__nv_bfloat16", 2, "ml_dtypes.bfloat16", "ml_dtypes.bfloat16", "bfloat16", True),
+    DType("float16", "f16", "nvdnn::half", 2, "numpy.float16", "numpy.float16", "float16", True),
+    DType("bfloat16", "bf16", "nvdnn::bfloat16", 2, "ml_dtypes.bfloat16", "ml_dtypes.bfloat16", "bfloat16", True),
     DType("float8_e4m3", "e4m3", "__nv_fp8_e4m3", 1, "ml_dtypes.float8_e4m3fn", "numpy.uint8",
           "float8_e4m3fn", True),
     DType("float8_e5m2", "e5m2", "__nv_fp8_e5m2", 1, "ml_dtypes.float8_e5m2", "numpy.uint8", "float8_e5m2", True),

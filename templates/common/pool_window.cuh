@@ -13,24 +13,36 @@ __device__ __forceinline__ float pool_max(float a, float b) {
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-__device__ __forceinline__ __half pool_max(__half a, __half b) { return __hmax_nan(a, b); }
-__device__ __forceinline__ __half2 pool_max(__half2 a, __half2 b) { return __hmax2_nan(a, b); }
-__device__ __forceinline__ __nv_bfloat16 pool_max(__nv_bfloat16 a, __nv_bfloat16 b) { return __hmax_nan(a, b); }
-__device__ __forceinline__ __nv_bfloat162 pool_max(__nv_bfloat162 a, __nv_bfloat162 b) {
-  return __hmax2_nan(a, b);
+__device__ __forceinline__ half pool_max(half a, half b) {
+  half r;
+  asm("max.NaN.f16 %0, %1, %2;" : "=h"(r.bits) : "h"(a.bits), "h"(b.bits));
+  return r;
+}
+__device__ __forceinline__ half2 pool_max(half2 a, half2 b) {
+  half2 r;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r.bits) : "r"(a.bits), "r"(b.bits));
+  return r;
+}
+__device__ __forceinline__ bfloat16 pool_max(bfloat16 a, bfloat16 b) {
+  bfloat16 r;
+  asm("max.NaN.bf16 %0, %1, %2;" : "=h"(r.bits) : "h"(a.bits), "h"(b.bits));
+  return r;
+}
+__device__ __forceinline__ bfloat162 pool_max(bfloat162 a, bfloat162 b) {
+  bfloat162 r;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r.bits) : "r"(a.bits), "r"(b.bits));
+  return r;
 }
 
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ __half neg_inf<__half>() { return __ushort_as_half(0xfc00); }
-template <> __device__ __forceinline__ __nv_bfloat16 neg_inf<__nv_bfloat16>() {
-  return __ushort_as_bfloat16(0xff80);
-}
+template <> __device__ __forceinline__ half neg_inf<half>() { return half{0xfc00}; }
+template <> __device__ __forceinline__ bfloat16 neg_inf<bfloat16>() { return bfloat16{0xff80}; }
 
 // Max is exact in any precision: 16-bit data is compared as it is, two lanes per instruction.
 template <typename T, bool EVEN> struct PairOf { typedef T type; };
-template <> struct PairOf<__half, true> { typedef __half2 type; };
-template <> struct PairOf<__nv_bfloat16, true> { typedef __nv_bfloat162 type; };
+template <> struct PairOf<half, true> { typedef half2 type; };
+template <> struct PairOf<bfloat16, true> { typedef bfloat162 type; };
 
 template <typename T, int N> struct PoolMax {
   typedef typename PairOf<T, N % 2 == 0>::type P;
