@@ -43,7 +43,8 @@ def _tuples(value):
 class KernelSpec:
     family: ClassVar[str]
     template: ClassVar[str]
-    tile_fields: ClassVar[tuple[str, ...]] = ()  # fields that change the loop shape, not the result
+    tile_fields: ClassVar[tuple[str, ...]] = ()  # fields that change the loop shape, not the math
+    tiles_exact: ClassVar[bool] = False  # True: every tile gives the same bits (no reduction order)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

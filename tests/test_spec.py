@@ -153,7 +153,7 @@ def test_render_is_deterministic_and_names_the_spec(spec):
     source = codegen.render(spec)
     assert source == codegen.render(copy.deepcopy(spec))
     assert source.startswith(f"// nvdnn kernel {spec.uri}\n")
-    assert "constexpr int VEC = 8;" in source and "typedef __nv_bfloat16 out_t;" in source
+    assert "constexpr int VEC = 8;" in source and "typedef nvdnn::bfloat16 out_t;" in source
 
 
 # -- the planner --------------------------------------------------------------------------------

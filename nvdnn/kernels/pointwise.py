@@ -63,6 +63,7 @@ class PointwiseSpec(KernelSpec):
     family = "pointwise"
     template = "pointwise/elementwise.cu.j2"
     tile_fields = ("block", "unroll", "min_blocks", "l2_prefetch", "row_tiles")
+    tiles_exact = True
 
     steps: tuple[tuple[str, str], ...]
     inputs: tuple[str, ...]      # data type of each tensor input
