@@ -29,7 +29,7 @@ def nhwc(shape, dtype, low=-3.0, high=3.0):
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "amax", "norm1", "norm2"])
 @pytest.mark.parametrize("shape, axis", [((7, 1000), 1), ((65537,), None), ((33, 5, 129), (0, 2)), ((1, 7), 0)])
 def test_reductions(op, dtype, shape, axis):
-    x, x64 = random(shape, dtype, -2, 2)
+    x, x64 = random(shape, dtype, -1, 1)  # sums of 65537 stay below float16's 65504
     want = getattr(ref, op)(x64, axis=axis, keepdims=True)
     poison_pool(want.shape, dtype)
     got = getattr(nvdnn, op)(x, axis=axis, keepdims=True)
@@ -52,8 +52,8 @@ def test_batch_norm_inference_relu_and_training_backward(dtype, layout):
     x, x64 = nhwc(shape, dtype) if layout == "NHWC" else random(shape, dtype, -3, 3)
     mean, m64 = random((24,), "float32", -1, 1)
     var, v64 = random((24,), "float32", 0.5, 2)
-    gamma, g64 = random((24,), dtype, 0.5, 1.5)
-    beta, b64 = random((24,), dtype, -1, 1)
+    gamma, g64 = random((24,), "float32", 0.5, 1.5)  # per-channel parameters share one type
+    beta, b64 = random((24,), "float32", -1, 1)
     poison_pool(shape, dtype)
     y = nvdnn.batch_norm(x, mean, var, gamma, beta, eps=1e-3, activation="relu")
     assert y.strides == x.strides  # the layout is kept
