@@ -319,8 +319,9 @@ def max_pool2d_backward(dy, x, kernel, stride=None, padding=0, dilation=1, ceil_
     _, idx = max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
     n, c, h, w = x.shape
     dx = np.zeros((n * c, h * w))
-    planes = np.repeat(np.arange(n * c), idx[0, 0].size)
-    np.add.at(dx, (planes, idx.reshape(-1)), dy.reshape(-1))
+    planes, flat = np.repeat(np.arange(n * c), idx[0, 0].size), idx.reshape(-1)
+    inside = (flat >= 0) & (flat < h * w)  # a window with no tap inside the input routes nothing
+    np.add.at(dx, (planes[inside], flat[inside]), dy.reshape(-1)[inside])
     return dx.reshape(x.shape)
 
 
