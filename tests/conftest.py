@@ -6,6 +6,7 @@ so no test can read or write the user's real kernel cache.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def _isolated_environment(request, _session_folders):
     is left alone: a developer may need it to find the CUDA headers.
     """
     if request.node.get_closest_marker("gpu"):
-        yield
+        yield from _host_memory_watch(request)
         return
     cache, xdg = _session_folders
     with pytest.MonkeyPatch.context() as mp:
@@ -43,6 +44,26 @@ def _isolated_environment(request, _session_folders):
         # Belt and braces: if a test deletes NVDNN_CACHE_DIR, platformdirs lands here too.
         mp.setenv("XDG_CACHE_HOME", str(xdg))
         yield
+
+
+_CANARY = None
+
+
+def _host_memory_watch(request):
+    """Fail the GPU test during which host memory changed: a kernel writing out of bounds can
+    reach host pages (heterogeneous memory management) instead of faulting. Watched: the
+    environment and a 32 MB pattern array."""
+    import numpy as np
+    global _CANARY
+    if _CANARY is None:
+        _CANARY = np.arange(1 << 22, dtype=np.int64)
+    env = {k: "".join(v) for k, v in os.environ.items()}  # new string objects, not the watched ones
+    yield
+    changed = [k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)]
+    intact = bool((_CANARY == np.arange(1 << 22, dtype=np.int64)).all())
+    if changed or not intact:
+        pytest.fail(f"host memory changed during {request.node.nodeid}: environment {changed[:3]}, "
+                    f"canary {'intact' if intact else 'overwritten'}")
 
 
 @pytest.fixture
