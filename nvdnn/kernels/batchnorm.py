@@ -26,34 +26,12 @@ from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
-from .pointwise import OPS as POINTWISE_OPS
-from .pointwise import Operand, chain_params, chain_steps
+from .pointwise import Operand, chain_params, chain_steps, check_epilogue
 from .reduce import DTYPES, KINDS, check_operand, split_reduce
 
 STATS_MODES = ("bn", "gn", "bn_bwd")
 AFFINE_BLOCKS = (64, 128, 256, 512)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
-MAX_EPILOGUE = 8
-
-
-def check_epilogue(epilogue, params) -> tuple:
-    """Epilogue steps as a tuple of (op, rhs) pairs: rhs "" for a unary op, "p" for a binary op
-    with a scalar; ``params`` gives every scalar, in step order."""
-    steps = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in epilogue)
-    if len(steps) > MAX_EPILOGUE:
-        raise ValidationError(f"epilogue: {len(steps)} steps; at most {MAX_EPILOGUE}", arg="epilogue")
-    for step in steps:
-        if not (isinstance(step, tuple) and len(step) == 2 and step[0] in POINTWISE_OPS):
-            raise ValidationError(f"epilogue: {step!r} is not an (op, rhs) pair of a pointwise op", arg="epilogue")
-        op, rhs = step
-        want = "" if POINTWISE_OPS[op].arity == 1 else "p"
-        if rhs != want:
-            raise ValidationError(f"epilogue: {op} takes rhs {want!r} ('p': a scalar parameter), got {rhs!r}",
-                                  arg="epilogue")
-    if params is not None and len(params) != chain_params(steps):
-        raise ValidationError(f"params: the epilogue {list(steps)} takes {chain_params(steps)} scalars, "
-                              f"got {len(params)}", arg="params")
-    return steps
 
 
 @dataclass(frozen=True)

@@ -68,20 +68,6 @@ def _optional_dtype(value, what: str) -> str:
     return value if value == "" else one_of(value, DTYPES, what)
 
 
-def _validate_epilogue(steps) -> None:
-    if not isinstance(steps, tuple):
-        raise ValidationError(f"epilogue: {steps!r} is not a tuple of (op, rhs) steps", arg="epilogue")
-    for step in steps:
-        if not (isinstance(step, tuple) and len(step) == 2):
-            raise ValidationError(f"epilogue: {step!r} is not an (op, rhs) pair", arg="epilogue")
-        op, rhs = step
-        one_of(op, pointwise.OPS, "epilogue.op")
-        want = "" if pointwise.OPS[op].arity == 1 else "p"
-        if rhs != want:
-            raise ValidationError(f"epilogue: {op} takes rhs {want!r} here (a scalar parameter for binary "
-                                  f"ops), got {rhs!r}", arg="epilogue")
-
-
 def _epilogue_uri(steps) -> str:
     return ".".join(op + ("(p)" if rhs else "") for op, rhs in steps) or "-"
 
@@ -231,7 +217,7 @@ class NormSpec(RowSpec):
             _optional_dtype(getattr(self, what), what)
         one_of(self.write_sum, (False, True), "write_sum")
         one_of(self.save_stats, (False, True), "save_stats")
-        _validate_epilogue(self.epilogue)
+        pointwise.check_epilogue(self.epilogue)
         if self.write_sum and not self.residual:
             raise ValidationError("write_sum: there is no sum without a residual", arg="write_sum")
         if self.beta and self.kind == "rms":
@@ -379,7 +365,7 @@ class SoftmaxSpec(RowSpec):
         one_of(self.x, DTYPES, "x")
         _optional_dtype(self.mask, "mask")
         one_of(self.causal, (False, True), "causal")
-        _validate_epilogue(self.epilogue)
+        pointwise.check_epilogue(self.epilogue)
         if self.split == "stats":
             if (self.out, self.epilogue) != ("", ()):
                 raise ValidationError("split: a 'stats' pass takes no output options", arg="split")
@@ -494,7 +480,7 @@ class SoftmaxColumnsSpec(KernelSpec):
                 raise ValidationError("epilogue: a backward kernel takes none", arg="epilogue")
         elif self.dy != "":
             raise ValidationError("dy: only the backward kernel reads dy", arg="dy")
-        _validate_epilogue(self.epilogue)
+        pointwise.check_epilogue(self.epilogue)
         one_of(self.vec, VECS, "vec")
         one_of(self.tx, TPRS, "tx")
         one_of(self.ty, TPRS, "ty")
@@ -804,7 +790,7 @@ def _row_launches(make, tile: Tile, layout: _Rows, vec: int, values: dict, k: in
 
 def _check_params(epilogue, params) -> tuple:
     epilogue = tuple(tuple(step) for step in epilogue)
-    _validate_epilogue(epilogue)
+    pointwise.check_epilogue(epilogue)
     want = pointwise.chain_params(epilogue)
     if len(params) != want:
         raise ValidationError(f"params: the epilogue {_epilogue_uri(epilogue)} takes {want} scalar parameters, "

@@ -204,6 +204,32 @@ def chain_params(steps) -> int:
     return sum(len(OPS[op].params) if OPS[op].arity == 1 else int(rhs == "p") for op, rhs in steps)
 
 
+MAX_EPILOGUE = 8  # steps an anchor kernel's epilogue takes
+
+
+def check_epilogue(epilogue, params=None) -> tuple:
+    """An anchor family's epilogue as a tuple of (op, rhs) pairs: rhs "" for a unary op, "p" for
+    a binary op with a scalar; ``params``, when given, must hold every scalar in step order."""
+    if not isinstance(epilogue, (list, tuple)):
+        raise ValidationError(f"epilogue: {epilogue!r} is not a sequence of (op, rhs) steps", arg="epilogue")
+    steps = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in epilogue)
+    if len(steps) > MAX_EPILOGUE:
+        raise ValidationError(f"epilogue: {len(steps)} steps; at most {MAX_EPILOGUE}", arg="epilogue")
+    for step in steps:
+        if not (isinstance(step, tuple) and len(step) == 2):
+            raise ValidationError(f"epilogue: {step!r} is not an (op, rhs) pair of a pointwise op", arg="epilogue")
+        op, rhs = step
+        one_of(op, OPS, "epilogue.op")
+        want = "" if OPS[op].arity == 1 else "p"
+        if rhs != want:
+            raise ValidationError(f"epilogue: {op} takes rhs {want!r} ('p': a scalar parameter), got {rhs!r}",
+                                  arg="epilogue")
+    if params is not None and len(params) != chain_params(steps):
+        raise ValidationError(f"params: the epilogue {list(steps)} takes {chain_params(steps)} scalars, "
+                              f"got {len(params)}", arg="params")
+    return steps
+
+
 def chain_steps(steps, *, fast: bool, first_param: int = 0) -> list[dict]:
     """Template context of a chain (templates/common/chain.cuh.j2): per step its op, its C
     arguments after the chain value (tensor operand ``a<k>``, scalar ``p<k>``) and whether it

@@ -44,20 +44,6 @@ TARGET_BLOCKS = 264          # two blocks per H200 multiprocessor: global avg sp
 _INT32_LIMIT = 2 ** 31 - 1
 
 
-def _check_epilogue(epilogue) -> None:
-    if not isinstance(epilogue, tuple):
-        raise ValidationError(f"epilogue: {epilogue!r} is not a tuple of (op, rhs) steps", arg="epilogue")
-    for step in epilogue:
-        if not (isinstance(step, tuple) and len(step) == 2):
-            raise ValidationError(f"epilogue: {step!r} is not an (op, rhs) pair", arg="epilogue")
-        op, rhs = step
-        one_of(op, pointwise.OPS, "epilogue.op")
-        want = "" if pointwise.OPS[op].arity == 1 else "p"
-        if rhs != want:
-            raise ValidationError(f"epilogue: {op} takes rhs {want!r} (unary ops '', binary ops 'p': a "
-                                  f"scalar parameter), got {rhs!r}", arg="epilogue")
-
-
 def _check_tile(block, min_blocks) -> None:
     one_of(block, BLOCKS, "block")
     one_of(min_blocks, MIN_BLOCKS, "min_blocks")
@@ -126,7 +112,7 @@ class Pool2dSpec(KernelSpec):
         one_of(self.indices, ("",) + (INDEX_DTYPES if self.kind == "max" else ()), "indices")
         one_of(self.divisor, ("",) if self.kind == "max" else tuple(DIVISORS), "divisor")
         one_of(self.window, ((),) + FIXED, "window")
-        _check_epilogue(self.epilogue)
+        pointwise.check_epilogue(self.epilogue)
         _check_vec(self.vec, self.layout, self.dtype)
         one_of(self.index, ("int32", "int64"), "index")
         _check_tile(self.block, self.min_blocks)
@@ -256,7 +242,7 @@ class GlobalAvgPoolSpec(KernelSpec):
         one_of(self.layout, ("",) if self.stage == "finish" else LAYOUTS, "layout")
         one_of(self.dtype, ("float32",) if self.stage == "finish" else DTYPES, "dtype")
         one_of(self.out_dtype, ("float32",) if self.stage == "partial" else DTYPES, "out_dtype")
-        _check_epilogue(self.epilogue)
+        pointwise.check_epilogue(self.epilogue)
         if self.stage == "partial" and self.epilogue:
             raise ValidationError("epilogue: partial sums take no epilogue (the finish stage applies it)",
                                   arg="epilogue")
@@ -397,7 +383,7 @@ def _out_dtype(value, default: str, name: str) -> str:
 
 def _params(epilogue, params, name="params") -> tuple:
     epilogue = tuple(tuple(step) for step in epilogue)
-    _check_epilogue(epilogue)
+    pointwise.check_epilogue(epilogue)
     want = pointwise.chain_params(epilogue)
     if len(params) != want:
         raise ValidationError(f"{name}: the epilogue takes {want} scalar parameters, got {len(params)}", arg=name)

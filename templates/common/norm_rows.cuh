@@ -8,19 +8,6 @@ namespace norm {
 constexpr float LOG2E = 1.4426950408889634f;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// 2^x by the special-function unit: one MUFU.EX2 (relative error ~2^-22; results below 2^-126
-// flush to 0, harmless for probabilities).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// 1 / x by one MUFU.RCP (within 1 ulp) for the counts and sums of a row: no IEEE slow path.
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // N elements to / from float registers, in pieces of at most 16 bytes (a float32 vector of 8 is
 // two 128-bit accesses): the address must be aligned to min(16, N * sizeof(T)) bytes.
