@@ -82,7 +82,14 @@ def test_large_mean_small_spread_is_stable(dtype):
     x64 = x.get().astype(np.float64)
     y = poisoned(x.shape, dtype)
     run(norm.plan_layer_norm(operand(x), 1), y=y, x=x)
-    check(y, ref.layer_norm(x64, 1), dtype, "mean 300, spread 1")
+    want = ref.layer_norm(x64, 1)
+    if dtype == "float32":
+        # float32 cannot hold the mean closer than half an ulp of 300 (1.5e-5): (x - mean) * rstd
+        # carries ~3e-5 of that alone; a one-pass E[x^2] - E[x]^2 would be off by ~1e-2
+        got = y.get().astype(np.float64)
+        assert not np.isnan(got).any() and np.abs(got - want).max() < 1e-4, "mean 300, spread 1"
+    else:
+        check(y, want, dtype, "mean 300, spread 1")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,7 +98,9 @@ def test_fused_residual_epilogue_and_cast(dtype):
     x, x64 = random((rows, L), dtype)
     r, r64 = random((rows, L), "float32")
     g, g64 = uniform((L,), dtype, 0.5, 1.5)
-    h64 = (x64 + r64).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)  # h is rounded to x's dtype
+    # h = x + residual summed in float32, then rounded to x's dtype, as the kernel does (a float64
+    # sum rounded once differs in rare double-rounding cases by an ulp of x's dtype)
+    h64 = (x64.astype(np.float32) + r64.astype(np.float32)).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)
     out = "bfloat16" if dtype == "float32" else "float32"
     y, h = poisoned((rows, L), out), poisoned((rows, L), dtype)
     plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), residual=operand(r), write_sum=True,
