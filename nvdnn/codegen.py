@@ -48,9 +48,12 @@ def code_stamp(spec_type: type) -> str:
     """A digest of everything that shapes a family's rendered source and options besides the
     spec: the templates and the Python that renders them. Keys the cache's spec -> key index."""
     import nvdnn.compiler  # noqa: F401 - make sure every module hashed below is loaded
+    import nvdnn.kernels.pointwise  # noqa: F401
     digest = hashlib.sha256()
     files = sorted(p for p in templates_dir().rglob("*") if p.suffix in (".j2", ".cuh"))
-    modules = ("nvdnn.codegen", "nvdnn.spec", "nvdnn.compiler", "nvdnn.dtypes", spec_type.__module__)
+    # pointwise.py renders every family's epilogue chain
+    modules = ("nvdnn.codegen", "nvdnn.spec", "nvdnn.compiler", "nvdnn.dtypes", "nvdnn.kernels.pointwise",
+               spec_type.__module__)
     files += [Path(sys.modules[name].__file__) for name in modules]
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

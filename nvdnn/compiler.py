@@ -192,9 +192,9 @@ def compile_cubin(source: str, *, name: str, options: tuple[str, ...], uri: str 
         opts = [o.encode() for o in options] + [f"-I{include_dir()}".encode()]
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        raw = b" " * size
+        raw = bytearray(size)  # NVRTC writes into it: never an immutable (possibly shared) bytes object
         _check(nvrtc.nvrtcGetProgramLog(prog, raw), "nvrtcGetProgramLog")
-        log = raw.rstrip(b"\0").decode(errors="replace")
+        log = bytes(raw).rstrip(b"\0").decode(errors="replace")
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"NVRTC {nvrtc_version()} could not compile {name}", uri=uri, log=log,
                                source_path=source_path)
@@ -202,8 +202,9 @@ def compile_cubin(source: str, *, name: str, options: tuple[str, ...], uri: str 
             raise CompileError(f"NVRTC {nvrtc_version()} warned about generated code in {name}", uri=uri,
                                log=log, source_path=source_path)
         size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        image = bytearray(size)
+        _check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+        cubin = bytes(image)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return CompileResult(cubin, log, _resource(log, "registers"), _resource(log, "spill_bytes"),

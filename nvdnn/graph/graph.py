@@ -31,6 +31,7 @@ from .tensor import Tensor, contiguous_strides
 
 _STATES = ("new", "validated", "fused", "planned", "supported", "built")
 WORKSPACE_ALIGN = 256
+PREPARED_LIMIT = 64  # signatures (shapes, strides, workspace address) a built graph keeps planned
 
 
 @dataclass
@@ -455,6 +456,8 @@ class Graph:
                *[(a.shape, a.strides, a.dtype, a.data.ptr % 16, a.data.device_id) for a in bound])
         launches = self._prepared.get(key)
         if launches is None:
+            if len(self._prepared) >= PREPARED_LIMIT:  # keyed by addresses: callers that allocate per
+                self._prepared.pop(next(iter(self._prepared)))  # call must not pin every buffer
             launches = self._prepared[key] = self._prepare(bound, workspace, device)
         return launches
 

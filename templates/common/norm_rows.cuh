@@ -170,7 +170,7 @@ __device__ __forceinline__ typename Op::State cluster_reduce(const typename Op::
   State r = *static_cast<State*>(__cluster_map_shared_rank(slot, 0));
 #pragma unroll
   for (int b = 1; b < CL; ++b) r = Op::combine(r, *static_cast<State*>(__cluster_map_shared_rank(slot, b)));
-  __cluster_barrier_arrive_relaxed();  // this block is done reading the others' slots
+  __cluster_barrier_arrive();  // release: these remote reads complete before any block may exit
   return r;
 }
 __device__ __forceinline__ void cluster_done() { __cluster_barrier_wait(); }
