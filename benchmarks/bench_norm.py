@@ -10,14 +10,13 @@ the portable two passes. The sweep times every tile candidate of the target work
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
 
 from nvdnn import compiler, launcher  # noqa: E402
 from nvdnn.dtypes import BY_NAME, of_array  # noqa: E402
@@ -168,20 +167,11 @@ def bench(torch, dtype: str, label: str, rows: int, L: int, target: float, sweep
     return rows_out, tuning
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--no-sweep", action="store_true", help="skip timing every tile candidate")
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated, e.g. bfloat16,float16,float32")
-    args = parser.parse_args(argv)
-    import cupy
-    torch = try_torch()
-    if torch is None:
-        print("PyTorch with CUDA not found: nvdnn columns only")
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    copy = measure_copy_tbs()
-    print(f"device: {props['name'].decode()}  measured copy {copy:.2f} TB/s (reference ceiling "
-          f"{COPY_CEILING_TBS} TB/s)")
+    args, torch, device, copy = start(parser)
     rows, tuning = [], []
     for dtype in args.dtypes.split(","):
         for label, n, L, target in TARGETS:
@@ -192,10 +182,7 @@ def main(argv=None):
         print(table(tuning, ["workload", "tile", "us", "TB/s"]))
     print(table(rows, ["workload", "dtype", "tile", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "target", "torch_us",
                        "torch_TB/s", "speedup", "max_diff"]))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows, "tuning": tuning}, out,
-                      indent=1)
+    write_json(args.json, device=device, copy_tbs=copy, rows=rows, tuning=tuning)
 
 
 if __name__ == "__main__":

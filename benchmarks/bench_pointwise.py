@@ -7,15 +7,14 @@ Effective bandwidth counts each input read once and the output written once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (COPY_CEILING_TBS, host_us_per_call, measure_copy_tbs, sets_for, table, time_ms,  # noqa: E402
-                    try_torch)
+from common import (COPY_CEILING_TBS, host_us_per_call, sets_for, start, table, time_ms,  # noqa: E402
+                    write_json)
 from compile_times import compile_and_disk_times, memory_hit_us  # noqa: E402
 
 import nvdnn  # noqa: E402
@@ -119,18 +118,9 @@ def host_overhead(torch):
     return rows
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", help="write all numbers to this file")
-    args = parser.parse_args(argv)
-    import cupy
-    torch = try_torch()
-    if torch is None:
-        print("PyTorch with CUDA not found: nvdnn columns only")
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    copy = measure_copy_tbs()
-    print(f"device: {props['name'].decode()}  measured copy {copy:.2f} TB/s (reference ceiling "
-          f"{COPY_CEILING_TBS} TB/s)")
+    args, torch, device, copy = start(parser)
     tuned = tune_table(torch)
     print(table(tuned, ["workload", "tile", "us", "TB/s"]))
     rows = [bench_case("GELU 16384x4096", (16384, 4096), "bfloat16", "gelu", None, torch),
@@ -150,10 +140,7 @@ def main(argv=None):
     for k, v in compile_rows.items():
         print(f"  {k:48s} {v:8.2f}")
     overhead.update(compile_rows)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows, "tuning": tuned,
-                       "host_us": overhead}, out, indent=1)
+    write_json(args.json, device=device, copy_tbs=copy, rows=rows, tuning=tuned, host_us=overhead)
 
 
 if __name__ == "__main__":

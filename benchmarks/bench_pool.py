@@ -8,14 +8,13 @@ times every tile candidate of the target workload (max 3x3/2 pad 1, fp16 NHWC, 3
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
 
 from nvdnn import dtypes, launcher  # noqa: E402
 from nvdnn.kernels import pool  # noqa: E402
@@ -139,18 +138,9 @@ def tile_sweep():
     return rows
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", help="write all numbers to this file")
-    args = parser.parse_args(argv)
-    import cupy
-    torch = try_torch()
-    if torch is None:
-        print("PyTorch with CUDA not found: nvdnn columns only")
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    copy = measure_copy_tbs()
-    print(f"device: {props['name'].decode()}  measured copy {copy:.2f} TB/s (reference ceiling "
-          f"{COPY_CEILING_TBS} TB/s)")
+    args, torch, device, copy = start(parser)
     sweep = tile_sweep()
     print(table(sweep, ["tile", "us", "TB/s"]))
     rows = []
@@ -165,10 +155,7 @@ def main(argv=None):
              bench_case("global avg 1x64x112x112 (split)", "global_avg", (1, 64, 112, 112), "float16", "NHWC", torch)]
     print(table(rows, ["workload", "dtype", "layout", "MB", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us",
                        "torch_TB/s", "speedup", "max_diff", "spec"]))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "tiles": sweep, "rows": rows}, out,
-                      indent=1)
+    write_json(args.json, device=device, copy_tbs=copy, tiles=sweep, rows=rows)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ passes re-read x: their time is in the number, not their bytes).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -16,7 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, measure_copy_tbs, sets_for, table, time_ms, try_torch  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
 
 from nvdnn import dtypes, launcher  # noqa: E402
 from nvdnn.kernels import batchnorm as bn  # noqa: E402
@@ -135,13 +134,9 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
-def main(argv=None):
+def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", help="write all numbers to this file")
-    args = parser.parse_args(argv)
-    import cupy
-    torch = try_torch()
-    copy = measure_copy_tbs()
+    args, torch, device, copy = start(parser)
     rows = []
     for dtype in ("float16", "bfloat16", "float32"):
         rows.append(bench_batch_norm("bn+relu inference NHWC 32x256x56x56", "inference", (32, 256, 56, 56), "NHWC",
@@ -161,14 +156,10 @@ def main(argv=None):
                                       ("max last axis 65536x128", "max", (65536, 128), (1,))):
         for dtype in ("bfloat16", "float32"):
             rows.append(bench_reduction(name, opname, shape, axes, dtype, torch))
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"{props['name'].decode()}: copy {copy:.2f} TB/s (ceiling used: {COPY_CEILING_TBS} TB/s)")
     columns = ["workload", "dtype", "MB", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
                "speedup", "max_diff"]
     print(table(rows, columns))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": props["name"].decode(), "copy_tbs": copy, "rows": rows}, out, indent=1)
+    write_json(args.json, device=device, copy_tbs=copy, rows=rows)
 
 
 if __name__ == "__main__":

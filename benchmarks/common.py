@@ -83,3 +83,26 @@ def table(rows, columns) -> str:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(out)
+
+
+def start(parser):
+    """Parse a benchmark's arguments (``--json`` is added here), find PyTorch, measure the copy
+    ceiling and print it: (args, torch or None, device name, copy TB/s)."""
+    import cupy
+    parser.add_argument("--json", help="write all numbers to this file")
+    args = parser.parse_args()
+    torch = try_torch()
+    if torch is None:
+        print("PyTorch with CUDA not found: nvdnn columns only")
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    copy = measure_copy_tbs()
+    print(f"device: {name}  measured copy {copy:.2f} TB/s (reference ceiling {COPY_CEILING_TBS} TB/s)")
+    return args, torch, name, copy
+
+
+def write_json(path, **numbers) -> None:
+    """Every number of a run, for RESULTS.md; nothing when no path was given."""
+    if path:
+        import json
+        with open(path, "w") as out:
+            json.dump(numbers, out, indent=1)
