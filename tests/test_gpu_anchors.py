@@ -62,7 +62,8 @@ def test_batch_norm_inference_relu_and_training_backward(dtype, layout):
     y, saved_mean, saved_invstd = nvdnn.batch_norm(x, run_mean, run_var, gamma, beta, training=True, momentum=0.2)
     want = ref.batch_norm_training(x64, g64, b64, m64, v64, momentum=0.2)
     check(y, want[0], dtype, "training y")
-    check(saved_mean, want[1], "float32", "saved mean") if dtype == "float32" else None
+    if dtype == "float32":  # 16-bit inputs: the mean of rounded values, checked through y
+        check(saved_mean, want[1], "float32", "saved mean")
     np.testing.assert_allclose(run_mean.get(), want[3], rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(run_var.get(), want[4], rtol=1e-3, atol=1e-3)
     dy, dy64 = random(shape, dtype, -1, 1) if layout == "NCHW" else nhwc(shape, dtype, -1, 1)
