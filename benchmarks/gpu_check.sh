@@ -17,7 +17,7 @@ PY
 # stage limits (seconds) keep one call inside the machine's per-command limit
 timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 \
   | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
-for bench in ${BENCHES:-pointwise graph norm reduce pool}; do
+for bench in ${BENCHES-pointwise graph norm reduce pool}; do  # BENCHES="" runs none
   timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_$bench.py --json "$out/bench_$bench.json" 2>&1 \
     | tee "$out/bench_$bench.log"
 done
@@ -28,3 +28,6 @@ if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters fo
       python3 benchmarks/profile_gelu.py > "$out/ncu_gelu.txt" 2>&1
   grep -E "nvdnn_pointwise|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall" "$out/ncu_gelu.txt" | head -40
 fi
+# the device tool returns a handful of files: pack the logs, JSON and recording into one
+pack=$(mktemp -d)/gpu_check.tar.gz
+tar -czf "$pack" -C "$out" . && find "$out" -mindepth 1 -delete && mv "$pack" "$out/"

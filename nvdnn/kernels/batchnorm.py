@@ -83,7 +83,7 @@ class StatsSpec(KernelSpec):
 @dataclass(frozen=True)
 class AffineSpec(KernelSpec):
     family = "reduce_affine"
-    tile_fields = ("bx", "block", "unroll", "min_blocks")
+    tile_fields = ("bx", "block", "unroll", "min_blocks", "strided")
     template = "reduce/affine.cu.j2"
 
     input: str
@@ -101,12 +101,13 @@ class AffineSpec(KernelSpec):
     block: int = 256
     unroll: int = 4
     min_blocks: int = 1  # __launch_bounds__ occupancy hint (grid-strided col layout: fill every SM)
+    strided: bool = True  # col layout: blocks stride over the rows (False: one tile of rows a block)
 
     def validate(self) -> None:
         for name in ("input", "output", "param"):
             one_of(getattr(self, name), DTYPES, name)
         one_of(self.source, ("stats", "coef"), "source")
-        for name in ("affine", "backward", "per_sample"):
+        for name in ("affine", "backward", "per_sample", "strided"):
             one_of(getattr(self, name), (False, True), name)
         one_of(self.layout, ("row", "col"), "layout")
         check_epilogue(self.steps, None)
@@ -139,7 +140,8 @@ class AffineSpec(KernelSpec):
         short = {d: dtypes.BY_NAME[d].short for d in DTYPES}
         return (f"reduce_affine/{what}/{self.layout}{'.sample' if self.per_sample else ''}/{chain}"
                 f"/{short[self.input]}->{short[self.output]}.p{short[self.param]}"
-                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}m{self.min_blocks}")
+                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}m{self.min_blocks}"
+                f"{'' if self.strided or self.layout == 'row' else '.tile'}")
 
     def pointers(self) -> list[str]:
         lead = ["y"] + (["dy"] if self.backward else []) + ["x"]
@@ -159,7 +161,7 @@ class AffineSpec(KernelSpec):
             "param_ctype": dtypes.BY_NAME[self.param].ctype, "source": self.source, "affine": self.affine,
             "backward": self.backward, "layout": self.layout, "per_sample": self.per_sample,
             "vec": self.vec, "bx": self.bx, "block": self.block, "unroll": self.unroll,
-            "min_blocks": self.min_blocks,
+            "min_blocks": self.min_blocks, "strided": self.strided,
             "steps": chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4),
             "chain_params": ["float a0"] + [f"float {p}" for p in params],
             "epilogue_call": f"epilogue({', '.join(['v'] + params)})",
@@ -271,26 +273,27 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
         lv = lay.hw // vec
         unroll = tile.unroll if tile else 4
         block = tile.block if tile else min(512, max(64, 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))))
-        bx, min_blocks = 32, tile.min_blocks if tile else 1
+        bx, min_blocks, strided = 32, tile.min_blocks if tile else 1, True
         grid = (lay.n * lay.c, -(-lv // (block * unroll)), 1)
         ints = [lv, lay.c * (lay.n if per_sample else 1)]
     else:
         cv = lay.c // vec
         bx = tile.bx if tile else min(32, 1 << math.ceil(math.log2(cv)))
         if tile:
-            block, unroll, min_blocks = tile.block, tile.unroll, tile.min_blocks
+            block, unroll, min_blocks, strided = tile.block, tile.unroll, tile.min_blocks, tile.strided
         else:  # 64 registers for 4 blocks of 256 per SM; bf16 conversions and per-sample loads need unroll 2
             block, min_blocks = 256, 2 if backward else 4
             unroll = 2 if backward or per_sample or x.dtype == "bfloat16" or out == "bfloat16" else 4
+            strided = backward or per_sample
         rows = lay.n * lay.hw
         col_blocks = -(-cv // bx)
         needed = -(-rows // (block // bx * unroll))
-        steps_per_block = -(-needed // max(1, SMS * min_blocks // col_blocks))
+        steps_per_block = -(-needed // max(1, SMS * min_blocks // col_blocks)) if strided else 1
         grid = (-(-needed // steps_per_block), col_blocks, 1)
         ints = [rows, lay.c] + ([lay.hw] if per_sample else [])
     spec = AffineSpec(input=x.dtype, output=out, param=param, source=source, affine=affine, backward=backward,
                       layout=layout, per_sample=per_sample and layout == "col", steps=tuple(steps), vec=vec,
-                      index=index, bx=bx, block=block, unroll=unroll, min_blocks=min_blocks)
+                      index=index, bx=bx, block=block, unroll=unroll, min_blocks=min_blocks, strided=strided)
     int_t = np.int32 if index == "int32" else np.int64
     return Launch(spec, grid, (block, 1, 1), 0, tuple(pointers.get(p, p) for p in spec.pointers()),
                   tuple(int_t(v) for v in ints) + tuple(np.float32(v) for v in (eps, *params)))

@@ -405,7 +405,8 @@ def candidates(spec) -> list:
     if isinstance(spec, ColReduceSpec):
         return [dataclasses.replace(spec, bx=min(x, spec.bx), block=b, unroll=u) for x, b, u in COL_TILES]
     if isinstance(spec, AffineSpec):
-        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m) for b, u, m in AFFINE_TILES
+        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, strided=st) for b, u, m in AFFINE_TILES
+                for st in ((True,) if spec.layout == "row" else (True, False))
                 if spec.layout == "row" or spec.bx * 2 <= b]
     return [spec]
 
