@@ -8,6 +8,7 @@ import sys
 import time
 
 from . import compiler
+from . import models
 from . import warm as warming
 from .cache import KernelCache
 from .errors import NvdnnError
@@ -18,7 +19,15 @@ EXAMPLES = {
   nvdnn warm --arch sm_80,sm_90 --preset pointwise -j 8
   NVDNN_RECORD=specs.jsonl python train.py            record what a program compiles...
   nvdnn warm --spec-file specs.jsonl --arch sm_90     ...and build exactly that elsewhere
-  nvdnn warm --preset pointwise --dry-run             list what would be compiled""",
+  nvdnn warm --preset pointwise --dry-run             list what would be compiled
+  nvdnn warm --arch sm_90 --preset resnet50           a whole model's kernels (batch sizes 1, 8, 32, 64)
+  nvdnn warm --arch sm_90 --preset transformer --param hidden=4096 --param heads=32 \\
+      --param head_dim=128 --param dtype=bf16         one decoder layer's kernels at these sizes
+  nvdnn warm --preset transformer --param seq=4096 --all-candidates --dry-run
+
+model presets and their parameters (--param KEY=VALUE, lists with commas):
+""" + "\n".join(f"  {m.name}: " + " ".join(f"{p.name}={p.default}" for p in m.params)
+            for m in models.MODELS.values()),
     "cache": """examples:
   nvdnn cache info --json
   nvdnn cache list --family pointwise --arch sm_90
@@ -61,6 +70,20 @@ class _Progress:
         self.stream.flush()
 
 
+def _model_plans(args, archs) -> list:
+    """Plan the model presets among ``args.preset``; each --param must fit one of them."""
+    names = [n for n in dict.fromkeys(args.preset or []) if n in models.MODELS]
+    given = models.parse_params(args.param)
+    if given and not names:
+        raise NvdnnError(f"--param: only model presets ({', '.join(models.MODELS)}) take parameters", arg="param")
+    for key in given:
+        if not any(key in {p.name for p in models.MODELS[n].params} for n in names):
+            takes = "; ".join(f"{n} takes {', '.join(p.name for p in models.MODELS[n].params)}" for n in names)
+            raise NvdnnError(f"--param {key}: unknown parameter ({takes})", arg=key)
+    return [models.plan_model(n, {k: v for k, v in given.items() if k in {p.name for p in models.MODELS[n].params}},
+                              archs, candidates=args.all_candidates) for n in names]
+
+
 def _cmd_warm(args) -> int:
     recorded = [row for path in args.spec_file or [] for row in warming.read_spec_file(path)]
     if not args.preset and not recorded:
@@ -68,7 +91,13 @@ def _cmd_warm(args) -> int:
         return 2
     needs_arch = args.preset or any(arch is None for _, arch in recorded)
     archs = warming.parse_archs(args.arch) if args.arch else [compiler.device_arch()] if needs_arch else []
-    jobs = [(spec, arch) for spec in warming.preset_specs(args.preset or []) for arch in archs]
+    family_presets = [n for n in args.preset or [] if n not in models.MODELS]
+    jobs = [(spec, arch) for spec in warming.preset_specs(family_presets) for arch in archs]
+    plans = _model_plans(args, archs)
+    for plan in plans:
+        jobs.extend(plan.jobs)
+    notes = [line for plan in plans for line in plan.lines()]
+    plan_failed = any(plan.failed for plan in plans)
     for spec, arch in recorded:  # a recording's own arch, unless --arch says otherwise
         jobs.extend([(spec, a) for a in archs] if args.arch or arch is None else [(spec, compiler.parse_arch(arch))])
     archs = sorted({arch for _, arch in jobs})
@@ -76,10 +105,14 @@ def _cmd_warm(args) -> int:
     if args.dry_run:
         rows = [{"uri": s.uri, "arch": a, "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
         _emit(rows, args.json, lambda r: f"{'cached ' if r['cached'] else 'compile'} {r['arch']:7} {r['uri']}")
-        return 0
+        if notes:  # model presets: what was planned and skipped (stderr beside a JSON list)
+            print("\n".join(notes), file=sys.stderr if args.json else sys.stdout)
+        return 1 if plan_failed else 0
     progress = None if args.json else _Progress(sys.stderr)
     report = warming.warm(jobs, cache, workers=args.jobs, progress=progress)
     summary = report.as_dict() | {"folder": str(cache.folder), "archs": archs}
+    if plans:
+        summary["models"] = [plan.as_dict() for plan in plans]
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -87,7 +120,9 @@ def _cmd_warm(args) -> int:
               f"already cached {summary['cached']}, failed {summary['failed']} in {summary['seconds']:.2f}s")
         for failure in report.failed:
             print(f"  FAILED {failure[0]}\n    " + failure[1].replace("\n", "\n    "))
-    return 1 if report.failed else 0
+        if notes:
+            print("\n".join(notes))
+    return 1 if report.failed or plan_failed else 0
 
 
 def _cmd_cache(args) -> int:
@@ -171,7 +206,12 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXAMPLES["warm"], formatter_class=argparse.RawDescriptionHelpFormatter)
     w.add_argument("--arch", default=None, help="comma-separated archs, e.g. sm_80,sm_90,sm_90a "
                    "(default: a recording's own arch, else the current GPU's)")
-    w.add_argument("--preset", action="append", choices=sorted(warming.PRESETS), help="a named preset (repeatable)")
+    w.add_argument("--preset", action="append", choices=sorted({**warming.PRESETS, **models.MODELS}),
+                   help="a kernel family's preset or a model preset (repeatable)")
+    w.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="a model preset's parameter, e.g. hidden=4096 or batch=1,8 (repeatable; see below)")
+    w.add_argument("--all-candidates", action="store_true",
+                   help="model presets: also every autotune candidate, not only the heuristic's kernels")
     w.add_argument("--spec-file", action="append", help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
     w.add_argument("--dry-run", action="store_true", help="list what would be compiled, compile nothing")

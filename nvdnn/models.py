@@ -1,0 +1,488 @@
+"""Whole-model presets for `nvdnn warm --preset <model>`: the kernels a model's layers need.
+
+A model is a table of layers (op, tensors with symbolic dims, data type, layout, attributes,
+the pointwise ops after it) and a few named parameters. Each layer is planned the way the
+library plans it at run time: a one-node graph (plus its fused ops) built for the target arch
+without a GPU, taken through validate .. check_support, and the kernels its heuristic plan
+launches collected (with ``candidates=True``, every autotune candidate's too). A program that
+later runs those layers on that arch finds each kernel in the cache.
+
+Layers whose op has no kernel family yet (convolution, attention, and matmul until its anchor
+op is registered) are checked at run time against the anchor op table and reported as skipped,
+one line per op, never dropped silently.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from . import compiler, dtypes
+from .errors import NvdnnError, ValidationError
+from .spec import KernelSpec
+
+
+# -- describing a model ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class T:
+    """A layer's tensor: dims (NCHW order for images) as ints or names of model values; its data
+    type ("io": the model's) and layout ("packed", "NHWC", or "io": the model's image layout)."""
+    dims: tuple
+    dtype: str = "io"
+    layout: str = "packed"
+
+
+def act(*dims) -> T:
+    """An activation tensor in the model's type and layout."""
+    return T(dims, "io", "io")
+
+
+def f32(*dims) -> T:
+    """A packed float32 tensor (batch-norm statistics and parameters, saved norm statistics)."""
+    return T(dims, "float32")
+
+
+def io(*dims) -> T:
+    """A packed tensor in the model's type."""
+    return T(dims)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One row of a model table. ``op``: an anchor op (nvdnn.graph.anchors), a pointwise graph op
+    (its first inputs are its operands), or an op with no family yet (skipped). ``then``: graph
+    ops on the result, a name for a unary op ("relu") or (op, input role) for a binary one.
+    ``count``: how often the model runs the layer (for the summary). ``only``: (parameter,
+    value) pairs the row needs (e.g. ("training", True))."""
+    name: str
+    op: str
+    inputs: tuple                     # ((role, T), ...): anchor roles, or positional for other ops
+    attrs: tuple = ()                 # ((name, value), ...)
+    then: tuple = ()
+    count: int = 1
+    only: tuple = ()
+
+
+def layer(name, op, inputs: dict, attrs: dict | None = None, then=(), count=1, only: dict | None = None) -> Layer:
+    return Layer(name, op, tuple(inputs.items()), tuple((attrs or {}).items()), tuple(then), count,
+                 tuple((only or {}).items()))
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str            # "int" (>= 1), "int0" (>= 0), "ints", "dtypes", "bool", "choice:a,b", "choices:a,b"
+    default: str
+    help: str
+
+    def parse(self, text: str, model: str):
+        """The value of ``--param name=text``; a ValidationError naming the parameter if bad."""
+        where = f"--param {self.name}={text}"
+        kind, _, allowed = self.kind.partition(":")
+        items = [t.strip() for t in str(text).split(",")]
+        if kind in ("ints", "dtypes", "choices") and (not items or "" in items):
+            raise ValidationError(f"{where}: bad value for {model}'s '{self.name}': an empty item", arg=self.name)
+        try:
+            if kind in ("int", "int0"):
+                value = int(text)
+                if value < (1 if kind == "int" else 0):
+                    raise ValueError
+                return value
+            if kind == "ints":
+                values = tuple(dict.fromkeys(int(t) for t in items))
+                if min(values) < 1:
+                    raise ValueError
+                return values
+            if kind == "bool":
+                lowered = str(text).strip().lower()
+                if lowered in ("1", "true", "yes", "on"):
+                    return True
+                if lowered in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            if kind == "dtypes":
+                return tuple(dict.fromkeys(_float_dtype(t, where, self.name) for t in items))
+            choices = allowed.split(",")
+            picked = tuple(dict.fromkeys(t for t in (items if kind == "choices" else [str(text).strip()])))
+            if any(p not in choices for p in picked):
+                raise ValueError
+            return picked if kind == "choices" else picked[0]
+        except ValidationError:
+            raise
+        except ValueError:
+            raise ValidationError(f"{where}: bad value for {model}'s '{self.name}': expected {_expects(self)}",
+                                  arg=self.name) from None
+
+
+def _expects(param: Param) -> str:
+    kind, _, allowed = param.kind.partition(":")
+    return {"int": "a positive integer", "int0": "a non-negative integer",
+            "ints": "positive integers separated by commas",
+            "bool": "1/0, true/false, yes/no or on/off", "choice": f"one of {allowed.replace(',', ', ')}",
+            "choices": f"one or more of {allowed.replace(',', ', ')}, separated by commas"}[kind]
+
+
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _float_dtype(text: str, where: str, name: str) -> str:
+    try:
+        found = dtypes.dtype(text, arg=name).name
+    except ValidationError:
+        found = None
+    if found not in _FLOATS:
+        raise ValidationError(f"{where}: bad value for '{name}': {text!r} is not float32, float16 or bfloat16 "
+                              "(or fp32, fp16, bf16)", arg=name)
+    return found
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    summary: str
+    params: tuple                                     # Param rows
+    layers: tuple                                     # Layer rows (symbolic)
+    variants: Callable[[dict], list[dict]]            # parameters -> concrete value sets
+    example: str = ""
+
+    def parse(self, given: dict[str, str]) -> dict:
+        known = {p.name: p for p in self.params}
+        for key in given:
+            if key not in known:
+                raise ValidationError(f"--param {key}: unknown parameter of preset {self.name}; it takes "
+                                      f"{', '.join(known)}", arg=key)
+        return {p.name: p.parse(given.get(p.name, p.default), self.name) for p in self.params}
+
+
+# -- ResNet-50 ------------------------------------------------------------------------------------
+# torchvision's ResNet-50 (v1.5: the stride sits in each stage's first 3x3 conv). Every conv is
+# followed by a batch norm (inference form, float32 statistics and affine parameters); a
+# bottleneck block ends in a residual add + ReLU, run on the blocks' packed arrays (NHWC memory
+# as (N, H, W, C)), as a channels-last program calls nvdnn.elementwise.
+
+RESNET50_STEM = (
+    layer("conv1", "conv2d", {"x": act("n", 3, 224, 224), "w": T((64, 3, 7, 7))}, {"stride": 2, "padding": 3}),
+    layer("bn1", "batch_norm", {"x": act("n", 64, 112, 112), "mean": f32(64), "var": f32(64), "gamma": f32(64),
+                                "beta": f32(64)}, then=("relu",)),
+    layer("maxpool", "max_pool2d", {"x": act("n", 64, 112, 112)}, {"kernel": 3, "stride": 2, "padding": 1}),
+)
+
+# (blocks, width, output channels, input side, side): each stage's input channels are the last one's output
+RESNET50_STAGES = ((3, 64, 256, 56, 56), (4, 128, 512, 56, 28), (6, 256, 1024, 28, 14), (3, 512, 2048, 14, 7))
+
+
+def _bn(c, side, then=(), count="blocks") -> dict:
+    return dict(inputs={"x": act("n", c, side, side), "mean": f32(c), "var": f32(c), "gamma": f32(c),
+                        "beta": f32(c)}, then=then, count=count)
+
+
+# One bottleneck block; names: i the block's input channels, s its input side, w the width, o the
+# output channels, t the output side, stride s/t. The first block of a stage ("first") has the
+# stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
+RESNET50_BLOCK = (
+    layer("conv1", "conv2d", {"x": act("n", "i", "s", "s"), "w": T(("w", "i", 1, 1))}, {"stride": 1, "padding": 0},
+          count="blocks"),
+    layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
+    layer("conv2", "conv2d", {"x": act("n", "w", "s", "s"), "w": T(("w", "w", 3, 3))},
+          {"stride": "stride", "padding": 1}, count="blocks"),
+    layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
+    layer("conv3", "conv2d", {"x": act("n", "w", "t", "t"), "w": T(("o", "w", 1, 1))}, {"stride": 1, "padding": 0},
+          count="blocks"),
+    layer("bn3", "batch_norm", **_bn("o", "t")),
+    layer("downsample.conv", "conv2d", {"x": act("n", "i", "s", "s"), "w": T(("o", "i", 1, 1))},
+          {"stride": "stride", "padding": 0}, only={"block": "first"}),
+    layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
+    layer("add+relu", "add", {"a": T(("n", "t", "t", "o")), "b": T(("n", "t", "t", "o"))}, then=("relu",),
+          count="blocks"),
+)
+
+RESNET50_HEAD = (
+    layer("avgpool", "global_avg_pool2d", {"x": act("n", 2048, 7, 7)}),
+    layer("fc", "matmul", {"a": io("n", 2048), "b": io(2048, 1000), "bias": io(1000)}),
+)
+
+
+def _resnet50_layers() -> tuple:
+    """The stem, each stage's first and other blocks (values bound per row), the head."""
+    rows, channels = list(RESNET50_STEM), 64
+    for blocks, width, out, side_in, side in RESNET50_STAGES:
+        for block, values in (("first", dict(i=channels, s=side_in, stride=side_in // side, blocks=1)),
+                              ("rest", dict(i=out, s=side, stride=1, blocks=blocks - 1))):
+            values |= dict(w=width, o=out, t=side, block=block)
+            rows += [_bind(row, values, f"stage{out // 256}.{block}.") for row in RESNET50_BLOCK
+                     if all(values.get(k, v) == v for k, v in row.only)]
+        channels = out
+    return tuple(rows + list(RESNET50_HEAD))
+
+
+def _bind(row: Layer, values: dict, prefix: str) -> Layer:
+    """A row with the names in ``values`` replaced (dims, attributes, count); others stay symbolic."""
+    def sub(v):
+        return values.get(v, v) if isinstance(v, str) else v
+    inputs = tuple((role, replace(t, dims=tuple(sub(d) for d in t.dims))) for role, t in row.inputs)
+    return replace(row, name=prefix + row.name, inputs=inputs, attrs=tuple((k, sub(v)) for k, v in row.attrs),
+                   count=sub(row.count), only=())
+
+
+def _resnet50_variants(p: dict) -> list[dict]:
+    auto = {"float32": "NCHW", "float16": "NHWC", "bfloat16": "NHWC"}
+    pairs = dict.fromkeys((dt, auto[dt] if lay == "auto" else lay) for dt in p["dtype"] for lay in p["layout"])
+    return [{"n": n, "dtype": dt, "layout": lay} for (dt, lay), n in itertools.product(pairs, p["batch"])]
+
+
+RESNET50 = Model(
+    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool, "
+    "fc; convolutions are declared (no kernel family yet)",
+    (Param("batch", "ints", "1,8,32,64", "batch sizes"),
+     Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
+     Param("layout", "choices:auto,NHWC,NCHW", "auto", "image layouts; auto: NHWC for 16-bit types, NCHW for float32")),
+    _resnet50_layers(), _resnet50_variants, "--preset resnet50 --param batch=32 --param dtype=fp16")
+
+
+# -- transformer ----------------------------------------------------------------------------------
+# One decoder layer (all layers share its kernels), pre-norm; names: tokens = batch * seq,
+# qkv = (heads + 2 kv_heads) head_dim, attn = heads head_dim. Norm rows apply where the `norm`
+# parameter names them; training rows where training=1.
+
+def _norm_rows(kind: str) -> tuple:
+    weights = {"gamma": io("hidden"), "beta": io("hidden")} if kind == "layer" else {"gamma": io("hidden")}
+    stats = {"mean": f32("tokens"), "rstd": f32("tokens")} if kind == "layer" else {"rstd": f32("tokens")}
+    x, where, train = io("tokens", "hidden"), {"norm": kind}, {"norm": kind, "training": True}
+    return (
+        layer(f"{kind}_norm", f"{kind}_norm", {"x": x, **weights}, count=1, only=where),
+        layer(f"{kind}_norm+residual", f"{kind}_norm", {"x": x, **weights, "residual": x}, count=2, only=where),
+        layer(f"{kind}_norm training", f"{kind}_norm_training", {"x": x, **weights}, only=train),
+        layer(f"{kind}_norm+residual training", f"{kind}_norm_training", {"x": x, **weights, "residual": x},
+              count=2, only=train),
+        layer(f"{kind}_norm backward", f"{kind}_norm_backward", {"dy": x, "x": x, **stats, **weights}, count=2,
+              only=train),
+    )
+
+
+_SCORES = io("batch", "heads", "seq", "seq")
+
+TRANSFORMER_LAYERS = (
+    *_norm_rows("layer"), *_norm_rows("rms"),
+    layer("qkv", "matmul", {"a": io("tokens", "hidden"), "b": io("hidden", "qkv"), "bias": io("qkv")}),
+    layer("attention", "attention", {"q": io("batch", "heads", "seq", "head_dim"),
+                                     "k": io("batch", "kv_heads", "seq", "head_dim"),
+                                     "v": io("batch", "kv_heads", "seq", "head_dim")}, {"causal": True}),
+    layer("softmax", "softmax", {"x": _SCORES}, {"axis": -1}),
+    layer("softmax causal", "softmax", {"x": _SCORES}, {"axis": -1, "causal": True}),
+    layer("softmax backward", "softmax_backward", {"dy": _SCORES, "y": _SCORES}, {"axis": -1},
+          only={"training": True}),
+    layer("out", "matmul", {"a": io("tokens", "attn"), "b": io("attn", "hidden"), "bias": io("hidden")}),
+    layer("mlp.up", "matmul", {"a": io("tokens", "hidden"), "b": io("hidden", "ffn"), "bias": io("ffn")},
+          then=("gelu",)),
+    layer("mlp.down", "matmul", {"a": io("tokens", "ffn"), "b": io("ffn", "hidden"), "bias": io("hidden")}),
+    layer("bias+gelu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("gelu",)),
+    layer("bias+silu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("silu",)),
+    layer("silu*up", "silu", {"gate": io("tokens", "ffn"), "up": io("tokens", "ffn")}, then=(("mul", "up"),)),
+    layer("bias", "add", {"x": io("tokens", "hidden"), "bias": io(1, "hidden")}, count=2),
+)
+
+
+def _transformer_variants(p: dict) -> list[dict]:
+    kv = p["kv_heads"] or p["heads"]
+    if p["heads"] % kv:
+        raise ValidationError(f"--param kv_heads={kv}: bad value for transformer's 'kv_heads': heads ({p['heads']}) "
+                              "must be a multiple of it", arg="kv_heads")
+    base = dict(hidden=p["hidden"], heads=p["heads"], kv_heads=kv, head_dim=p["head_dim"], seq=p["seq"],
+                batch=p["batch"], ffn=p["ffn"] or 4 * p["hidden"], tokens=p["batch"] * p["seq"],
+                qkv=(p["heads"] + 2 * kv) * p["head_dim"], attn=p["heads"] * p["head_dim"],
+                training=p["training"])
+    return [base | {"dtype": dt, "layout": "packed", "norm": kind} for dt in p["dtype"] for kind in p["norm"]]
+
+
+TRANSFORMER = Model(
+    "transformer", "one decoder layer: layer / RMS norm (+residual, training forward, backward), softmax "
+    "(+causal, backward), bias + GELU / SiLU, SiLU * up; projections (matmul + bias) and attention skipped "
+    "until their families exist",
+    (Param("hidden", "int", "4096", "hidden size"),
+     Param("heads", "int", "32", "attention heads"),
+     Param("head_dim", "int", "128", "size of one head"),
+     Param("kv_heads", "int0", "0", "key/value heads (0: as many as heads)"),
+     Param("ffn", "int0", "0", "MLP width (0: 4 x hidden)"),
+     Param("seq", "int", "2048", "sequence length (softmax rows are this long)"),
+     Param("batch", "int", "1", "sequences per batch"),
+     Param("dtype", "dtypes", "bfloat16", "data types"),
+     Param("norm", "choices:layer,rms", "layer,rms", "which norms the model uses"),
+     Param("training", "bool", "1", "also the training forward (saved statistics) and backward kernels")),
+    TRANSFORMER_LAYERS, _transformer_variants,
+    "--preset transformer --param hidden=4096 --param heads=32 --param head_dim=128 --param dtype=bf16")
+
+MODELS: dict[str, Model] = {m.name: m for m in (RESNET50, TRANSFORMER)}
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+@dataclass
+class ModelPlan:
+    """What a model preset warms: its parameters, the (spec, arch) jobs, the ops it skipped
+    (op -> (layers of one model instance, reason)) and the layers that failed to plan."""
+    name: str
+    params: dict
+    variants: int = 0
+    layers: int = 0
+    jobs: dict = field(default_factory=dict)          # (spec, arch) -> None, in order
+    skipped: dict = field(default_factory=dict)       # op -> (layers, reason)
+    failed: list = field(default_factory=list)        # (layer, variant, error)
+
+    def lines(self) -> list[str]:
+        """The summary: one line for the preset, one per skipped op, one per failure."""
+        shown = ", ".join(f"{k}={_show(v)}" for k, v in self.params.items())
+        out = [f"{self.name} ({shown}): {self.layers} layers x {self.variants} variants -> "
+               f"{len(self.jobs)} kernels"]
+        out += [f"  {op}: {reason}, {n} layer{'s' if n != 1 else ''} skipped"
+                for op, (n, reason) in self.skipped.items()]
+        out += [f"  FAILED to plan {name} [{variant}]: {error}" for name, variant, error in self.failed]
+        return out
+
+    def as_dict(self) -> dict:
+        return {"preset": self.name, "params": {k: _plain(v) for k, v in self.params.items()},
+                "variants": self.variants, "layers": self.layers, "kernels": len(self.jobs),
+                "skipped": [{"op": op, "layers": n, "reason": r} for op, (n, r) in self.skipped.items()],
+                "plan_failures": [{"layer": n, "variant": v, "error": e} for n, v, e in self.failed]}
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(int(value) if isinstance(value, bool)
+                                                                          else value)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def parse_params(items) -> dict[str, str]:
+    """``--param KEY=VALUE`` strings -> {key: value}; each key once."""
+    given: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key or not value.strip():
+            raise ValidationError(f"--param {item}: expected KEY=VALUE, e.g. --param hidden=4096", arg="param")
+        if key in given:
+            raise ValidationError(f"--param {key}: given twice ({given[key]} and {value}); a list is one value "
+                                  "with commas, e.g. batch=1,8", arg=key)
+        given[key] = value.strip()
+    return given
+
+
+def resolve(row: Layer, values: dict) -> tuple:
+    """A row's tensors for one variant: ((role, dims, strides, dtype), ...)."""
+    from .graph.tensor import contiguous_strides, nhwc_strides
+    out = []
+    for role, t in row.inputs:
+        try:
+            dims = tuple(d if isinstance(d, int) else values[d] for d in t.dims)
+        except KeyError as exc:
+            raise ValidationError(f"layer {row.name}: '{role}' names {exc.args[0]!r}, which is not a model value",
+                                  arg=role) from None
+        layout = values.get("layout", "packed") if t.layout == "io" else t.layout
+        strides = nhwc_strides(list(dims)) if layout == "NHWC" else contiguous_strides(dims)
+        out.append((role, dims, tuple(strides), values["dtype"] if t.dtype == "io" else t.dtype))
+    return tuple(out)
+
+
+def missing_family(op: str) -> str | None:
+    """Why ``op`` cannot be planned yet (read from the op tables now), or None."""
+    from . import kernels
+    from .graph.anchors import ANCHORS
+    from .graph.ops import SCHEMAS
+    if op in SCHEMAS:
+        return None
+    if op not in ANCHORS:
+        return "no kernel family yet"
+    if ANCHORS[op].family not in kernels.FAMILIES:
+        return f"kernel family {ANCHORS[op].family!r} is not registered"
+    return None
+
+
+def layer_graph(row: Layer, tensors: tuple, arch: str):
+    """The graph a program builds for one layer on ``arch`` (the functional API's one-node graph),
+    taken through check_support; no GPU needed."""
+    from .graph import Graph
+    from .graph.anchors import ANCHORS
+    g = Graph(io_data_type=tensors[0][3], name=row.name, arch=arch)
+    made = {role: g.tensor(dims=list(dims), strides=list(strides), data_type=dt, name=role)
+            for role, dims, strides, dt in tensors}
+    attrs = dict(row.attrs)
+    if row.op in ANCHORS:
+        schema = ANCHORS[row.op]
+        if all(role in schema.roles for role in made):
+            inputs = made
+        else:  # an op registered after the table was written: its roles, in the table's order
+            if len(made) > len(schema.roles):
+                raise ValidationError(f"layer {row.name}: {row.op} takes {', '.join(schema.roles)}, the table gives "
+                                      f"{', '.join(made)}", arg=row.op)
+            inputs = dict(zip(schema.roles, made.values()))
+        outs = g._anchor(row.op, inputs, attrs, name=row.op)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+    else:
+        operands = list(made.values())[:_arity(row.op)]
+        outs = (getattr(g, row.op)(*operands, **attrs),)
+    main = outs[0]
+    for step in row.then:
+        main = getattr(g, step)(main) if isinstance(step, str) else getattr(g, step[0])(main, made[step[1]])
+    main.set_output(True)
+    for extra in outs[1:]:
+        extra.set_output(True)
+    return g.validate().build_operation_graph().create_execution_plans().check_support(_tuned=False)
+
+
+def _arity(op: str) -> int:
+    from .graph.ops import SCHEMAS
+    return SCHEMAS[op].arity
+
+
+def graph_specs(g, candidates: bool = False) -> list[KernelSpec]:
+    """The kernels ``build_plans`` compiles for a supported graph: each group's heuristic
+    candidate (or every candidate), with every launch of an anchor plan."""
+    specs: dict = {}
+    for index, cands in enumerate(g.candidates):
+        for spec in (cands if candidates else cands[:1]):
+            specs.update(dict.fromkeys(g._launch_specs(index, spec)))
+    return list(specs)
+
+
+def rows_for(model: Model, values: dict) -> list[Layer]:
+    """The model's rows that apply to one variant."""
+    return [row for row in model.layers if all(values.get(k) == v for k, v in row.only)]
+
+
+def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = False) -> ModelPlan:
+    """Plan every layer of model preset ``name`` (with parameters ``given``) for each arch."""
+    model = MODELS.get(name)
+    if model is None:
+        raise ValidationError(f"preset: unknown model preset {name!r}; known: {', '.join(MODELS)}", arg="preset")
+    params = model.parse(given)
+    variants = model.variants(params)
+    result = ModelPlan(name, params, len(variants))
+    archs = [compiler.parse_arch(a) for a in archs]
+    planned: dict = {}
+    for values in variants:
+        rows = rows_for(model, values)
+        result.layers = max(result.layers, sum(row.count for row in rows))
+        skipped: dict = {}
+        for row in rows:
+            reason = missing_family(row.op)
+            if reason is not None:
+                skipped[row.op] = (skipped.get(row.op, (0, reason))[0] + row.count, reason)
+                continue
+            tensors = resolve(row, values)
+            for arch in archs:
+                key = (row.op, tensors, row.attrs, row.then, arch, candidates)
+                if key not in planned:
+                    try:
+                        planned[key] = graph_specs(layer_graph(row, tensors, arch), candidates)
+                    except (NvdnnError, KeyError) as exc:
+                        planned[key] = []
+                        label = ", ".join(f"{k}={v}" for k, v in values.items() if k in ("n", "dtype", "layout",
+                                                                                          "norm"))
+                        result.failed.append((row.name, f"{label}, {arch}", str(exc)))
+                result.jobs.update(dict.fromkeys((spec, arch) for spec in planned[key]))
+        for op, (n, reason) in skipped.items():
+            result.skipped[op] = (max(n, result.skipped.get(op, (0,))[0]), reason)
+    return result

@@ -1,0 +1,250 @@
+"""Model presets (nvdnn.models): their kernels compile, a warmed cache serves a program that runs
+the model's layers through the functional API without a miss, and parameters are validated."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nvdnn
+from nvdnn import compiler, functional, functional_anchors, models
+from nvdnn.cache import KernelCache
+from nvdnn.errors import CacheMissError, ValidationError
+from nvdnn.graph import anchors
+from nvdnn.graph.tensor import contiguous_strides, nhwc_strides
+from nvdnn.warm import warm
+
+from .test_cli import _json, nvdnn as run_cli
+
+NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+# -- a program that runs a model's layers, without a GPU ---------------------------------------------
+
+class Fake:
+    """What the functional API reads of a device array: shape, strides, dtype, address."""
+
+    def __init__(self, shape, dtype, strides=None):
+        self.shape, self.dtype = tuple(shape), np.dtype(NP.get(dtype, dtype))
+        self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
+        self.strides = tuple(s * self.itemsize for s in (strides or contiguous_strides(self.shape)))
+        self.data = SimpleNamespace(ptr=1 << 20, device_id=0)
+
+    def reshape(self, shape):
+        return Fake(shape, self.dtype)
+
+
+@pytest.fixture
+def offline_program(monkeypatch):
+    """The public functional API, planned and built for sm_90 through the cache, launching
+    nothing: each call returns Fake results with the shapes and layouts it would produce.
+    Calling the fixture's value sets NVDNN_NO_COMPILE=1: from then on a cache miss raises."""
+    monkeypatch.setattr(compiler, "device_arch", lambda device=None: "sm_90")
+    monkeypatch.setattr(functional_anchors, "_BUILT", {})
+    monkeypatch.setattr(functional, "_GRAPHS", {})
+    fa = functional_anchors
+
+    def call(op, inputs, attrs=None, *, activation=None, activation_params=None, out=None, dtype=None, stream=None):
+        xs = {role: a for role, a in inputs.items() if a is not None}
+        attrs = {k: fa._hashable(v) for k, v in (attrs or {}).items()}
+        built = fa._build(op, xs, attrs, fa._activation(activation, activation_params or {}), dtype, 0)
+        results = [Fake(shape, np_dtype, strides) for shape, strides, np_dtype in built.outputs]
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
+        rank = max(x.ndim for x in inputs)
+        xs = [x.reshape((1,) * (rank - x.ndim) + x.shape) if x.ndim < rank else x for x in inputs]
+        out_dtype = functional._out_dtype(xs, None, dtype)
+        steps = tuple(tuple(step) for step in steps)
+        functional._graph_for(steps, xs, tuple(names), out_dtype, params, 0, 16)
+        return Fake(np.broadcast_shapes(*[x.shape for x in xs]), out_dtype)
+
+    monkeypatch.setattr(fa, "call", call)
+    monkeypatch.setattr(functional, "_run", run)
+    return lambda: monkeypatch.setenv("NVDNN_NO_COMPILE", "1")  # call after warming
+
+
+def run_resnet50(n: int, dtype: str, layout: str) -> int:
+    """ResNet-50 inference as a channels-last (or NCHW) program calls nvdnn around its own convs;
+    the number of nvdnn calls."""
+    calls = 0
+
+    def image(c, side):  # a conv's output (convolutions are the program's own)
+        dims = (n, c, side, side)
+        return Fake(dims, dtype, nhwc_strides(list(dims)) if layout == "NHWC" else None)
+
+    def bn(c, side, relu=True):
+        nonlocal calls
+        calls += 1
+        s = Fake((c,), "float32")
+        return nvdnn.batch_norm(image(c, side), s, s, s, s, activation="relu" if relu else None)
+
+    def add_relu(a, b):  # on the arrays' memory order: (N, H, W, C) for channels-last
+        nonlocal calls
+        calls += 1
+        view = (lambda t: Fake((t.shape[0], *t.shape[2:], t.shape[1]), dtype)) if layout == "NHWC" else (lambda t: t)
+        nvdnn.elementwise([("add", "x1"), ("relu", "")], view(a), view(b), params=(0.0, math.inf))
+        return image(a.shape[1], a.shape[2])
+
+    h = nvdnn.max_pool2d(bn(64, 112), 3, stride=2, padding=1)
+    calls += 1
+    for blocks, width, out, side in ((3, 64, 256, 56), (4, 128, 512, 28), (6, 256, 1024, 14), (3, 512, 2048, 7)):
+        for block in range(blocks):
+            bn(width, h.shape[2])
+            bn(width, side)
+            t = bn(out, side, relu=False)
+            h = add_relu(t, h if block else bn(out, side, relu=False))
+    nvdnn.global_avg_pool2d(h)
+    return calls + 1
+
+
+def run_decoder_layer(p: dict, dtype: str) -> int:
+    """One transformer decoder layer's norm / softmax / pointwise calls, forward and backward."""
+    tokens, ffn = p["batch"] * p["seq"], p["ffn"] or 4 * p["hidden"]
+    x, w = Fake((tokens, p["hidden"]), dtype), Fake((p["hidden"],), dtype)
+    nvdnn.layer_norm(x, w, w), nvdnn.layer_norm(x, w, w, residual=x)
+    y, mean, rstd = nvdnn.layer_norm(x, w, w, return_stats=True)
+    nvdnn.layer_norm(x, w, w, residual=x, return_stats=True)
+    nvdnn.layer_norm_backward(y, x, mean, rstd, w, w)
+    nvdnn.rms_norm(x, w), nvdnn.rms_norm(x, w, residual=x)
+    y, rstd = nvdnn.rms_norm(x, w, return_stats=True)
+    nvdnn.rms_norm(x, w, residual=x, return_stats=True)
+    nvdnn.rms_norm_backward(y, x, rstd, w)
+    scores = Fake((p["batch"], p["heads"], p["seq"], p["seq"]), dtype)
+    probs = nvdnn.softmax(scores, axis=-1)
+    nvdnn.softmax(scores, axis=-1, causal=True)
+    nvdnn.softmax_backward(probs, probs, axis=-1)
+    h, b = Fake((tokens, ffn), dtype), Fake((ffn,), dtype)
+    nvdnn.bias_act(h, b, "gelu", layout="NHWC"), nvdnn.bias_act(h, b, "silu", layout="NHWC")
+    nvdnn.elementwise([("silu", ""), ("mul", "x1")], h, h)   # SwiGLU: silu(gate) * up
+    nvdnn.bias_act(x, w, layout="NHWC")                       # a projection's bias
+    return 16
+
+
+def _warmed(name: str, given: dict, cache_dir) -> models.ModelPlan:
+    plan = models.plan_model(name, given, ["sm_90"])
+    assert not plan.failed
+    report = warm(list(plan.jobs), KernelCache(cache_dir), workers=2)
+    assert report.failed == [] and len(report.compiled) == len(plan.jobs)
+    return plan
+
+
+# -- compile, then run without a miss -----------------------------------------------------------------
+
+def test_resnet50_warms_and_its_program_finds_every_kernel(cache_dir, offline_program):
+    plan = _warmed("resnet50", {}, cache_dir)
+    assert plan.skipped["conv2d"][0] == 53 and plan.layers == 125 and plan.variants == 12
+    offline_program()
+    for n in (1, 8, 32, 64):
+        for dtype, layout in (("float16", "NHWC"), ("bfloat16", "NHWC"), ("float32", "NCHW")):
+            assert run_resnet50(n, dtype, layout) == 53 + 16 + 2
+    with pytest.raises(CacheMissError):  # the check has teeth: an unwarmed batch size misses
+        run_resnet50(5, "float16", "NCHW")
+
+
+def test_transformer_warms_and_its_program_finds_every_kernel(cache_dir, offline_program):
+    given = {"hidden": "2048", "heads": "16", "head_dim": "128", "seq": "1024", "dtype": "bf16,fp16"}
+    plan = _warmed("transformer", given, cache_dir)
+    assert {op for op in plan.skipped} == {"matmul", "attention"}
+    offline_program()
+    for dtype in ("bfloat16", "float16"):
+        run_decoder_layer(plan.params, dtype)
+    with pytest.raises(CacheMissError):
+        run_decoder_layer(plan.params | {"seq": 16384}, "bfloat16")
+
+
+def test_default_transformer_plans_for_two_archs_with_every_candidate():
+    heuristic = models.plan_model("transformer", {}, ["sm_80", "sm_90"])
+    every = models.plan_model("transformer", {}, ["sm_80", "sm_90"], candidates=True)
+    assert not heuristic.failed and not every.failed
+    assert set(heuristic.jobs) < set(every.jobs)
+    assert {arch for _, arch in heuristic.jobs} == {"sm_80", "sm_90"}
+
+
+# -- skipped ops -----------------------------------------------------------------------------------------
+
+def test_ops_without_a_family_are_skipped_with_one_line_each():
+    lines = models.plan_model("resnet50", {"batch": "8"}, ["sm_90"]).lines()
+    assert "  conv2d: no kernel family yet, 53 layers skipped" in lines
+    assert "  matmul: no kernel family yet, 1 layer skipped" in lines
+
+
+def test_an_op_registered_later_is_planned_not_skipped(monkeypatch):
+    """The op tables are read at planning time: once an anchor op exists its layers are planned
+    (here a stand-in registered under the name 'attention'), and a row that does not fit its
+    roles is a named planning failure, not a crash or a silent drop."""
+    monkeypatch.setitem(anchors.ANCHORS, "attention", anchors.ANCHORS["softmax_backward"])
+    plan = models.plan_model("transformer", {"hidden": "1024", "seq": "256"}, ["sm_90"])
+    assert "attention" not in plan.skipped
+    assert plan.failed and {name for name, _, _ in plan.failed} == {"attention"}
+    assert any("FAILED to plan attention" in line for line in plan.lines())
+
+
+# -- parameters -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given, arg, words", [
+    ({"hiden": "4096"}, "hiden", "unknown parameter"),
+    ({"hidden": "big"}, "hidden", "bad value"),
+    ({"hidden": "0"}, "hidden", "positive integer"),
+    ({"dtype": "int8"}, "dtype", "bad value"),
+    ({"norm": "batch"}, "norm", "one or more of layer, rms"),
+    ({"training": "maybe"}, "training", "bad value"),
+    ({"kv_heads": "5"}, "kv_heads", "multiple"),
+])
+def test_bad_parameters_are_named(given, arg, words):
+    with pytest.raises(ValidationError) as info:
+        models.plan_model("transformer", given, ["sm_90"])
+    assert info.value.arg == arg and words in str(info.value) and arg in str(info.value)
+
+
+def test_param_syntax():
+    assert models.parse_params(["hidden=4096", "batch = 1,8"]) == {"hidden": "4096", "batch": "1,8"}
+    for bad in (["hidden"], ["=4"], ["hidden="]):
+        with pytest.raises(ValidationError, match="KEY=VALUE"):
+            models.parse_params(bad)
+    with pytest.raises(ValidationError, match="given twice"):
+        models.parse_params(["batch=1", "batch=8"])
+    assert models.plan_model("resnet50", {"batch": "8,1,8", "dtype": "bf16"}, ["sm_90"]).params["batch"] == (8, 1)
+
+
+# -- the command line -------------------------------------------------------------------------------------
+
+def test_cli_dry_run_lists_the_model_and_its_skips(cache_dir):
+    args = ["warm", "--arch", "sm_90", "--preset", "transformer", "--param", "hidden=1024", "--param", "heads=8",
+            "--param", "head_dim=128", "--param", "dtype=bf16", "--dry-run"]
+    text = run_cli(cache_dir, *args)
+    assert text.returncode == 0, text.stderr
+    assert "matmul: no kernel family yet, 4 layers skipped" in text.stdout
+    assert "attention: no kernel family yet, 1 layer skipped" in text.stdout
+    plan = models.plan_model("transformer", {"hidden": "1024", "heads": "8", "dtype": "bf16"}, ["sm_90"])
+    rows = _json(run_cli(cache_dir, *args, "--json"))
+    assert [r["uri"] for r in rows] == [s.uri for s, _ in plan.jobs]
+    assert not (cache_dir / "kernels").exists()
+
+
+def test_cli_param_errors_exit_2_naming_the_parameter(cache_dir):
+    for params, words in ((["--param", "hiden=1"], "--param hiden: unknown parameter"),
+                          (["--param", "seq=x"], "--param seq=x: bad value"),
+                          (["--param", "seq"], "KEY=VALUE")):
+        result = run_cli(cache_dir, "warm", "--arch", "sm_90", "--preset", "transformer", *params, "--dry-run")
+        assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(cache_dir, "warm", "--arch", "sm_90", "--preset", "pointwise", "--param", "seq=1")
+    assert result.returncode == 2 and "only model presets" in result.stderr
+
+
+def test_cli_warm_json_reports_the_model(cache_dir):
+    result = run_cli(cache_dir, "warm", "--arch", "sm_90", "--preset", "resnet50", "--param", "batch=32",
+                     "--param", "dtype=fp16", "--json", "-j", "2")
+    assert result.returncode == 0, result.stderr
+    summary = _json(result)
+    (model,) = summary["models"]
+    assert model["preset"] == "resnet50" and model["params"]["batch"] == [32] and model["plan_failures"] == []
+    assert summary["compiled"] == model["kernels"] and summary["failed"] == 0
+    assert {"op": "conv2d", "layers": 53, "reason": "no kernel family yet"} in model["skipped"]
+    assert len(list(KernelCache(cache_dir).entries())) == model["kernels"]
+    assert json.loads(run_cli(cache_dir, "warm", "--arch", "sm_90", "--preset", "resnet50", "--param", "batch=32",
+                              "--param", "dtype=fp16", "--json").stdout)["cached"] == model["kernels"]
