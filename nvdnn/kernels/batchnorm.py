@@ -284,7 +284,7 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
         else:  # 64 registers for 4 blocks of 256 per SM; bf16 conversions and per-sample loads need unroll 2
             block, min_blocks = 256, 2 if backward else 4
             unroll = 2 if backward or per_sample or x.dtype == "bfloat16" or out == "bfloat16" else 4
-            strided = backward or per_sample
+            strided = True  # H200, NHWC fp16 bn+ReLU: one tile a block 35.5 us, strided 32.4
         rows = lay.n * lay.hw
         col_blocks = -(-cv // bx)
         needed = -(-rows // (block // bx * unroll))
