@@ -18,7 +18,7 @@ EXAMPLES = {
   nvdnn warm --arch sm_90 --preset pointwise          pre-warm for an H100/H200, no GPU needed
   nvdnn warm --arch sm_80,sm_90 --preset pointwise -j 8
   NVDNN_RECORD=specs.jsonl python train.py            record what a program compiles...
-  nvdnn warm --spec-file specs.jsonl --arch sm_90     ...and build exactly that elsewhere
+  nvdnn warm --from-record specs.jsonl --arch sm_90   ...and build exactly that elsewhere (= --spec-file)
   nvdnn warm --preset pointwise --dry-run             list what would be compiled
   nvdnn warm --arch sm_90 --preset resnet50           a whole model's kernels (batch sizes 1, 8, 32, 64)
   nvdnn warm --arch sm_90 --preset transformer --param hidden=4096 --param heads=32 \\
@@ -212,7 +212,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a model preset's parameter, e.g. hidden=4096 or batch=1,8 (repeatable; see below)")
     w.add_argument("--all-candidates", action="store_true",
                    help="model presets: also every autotune candidate, not only the heuristic's kernels")
-    w.add_argument("--spec-file", action="append", help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file")
+    w.add_argument("--spec-file", "--from-record", action="append", dest="spec_file",
+                   help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file (repeatable)")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
     w.add_argument("--dry-run", action="store_true", help="list what would be compiled, compile nothing")
     w.add_argument("--json", action="store_true", help="machine-readable summary")

@@ -226,6 +226,13 @@ def test_cli_dry_run_lists_the_model_and_its_skips(cache_dir):
     assert not (cache_dir / "kernels").exists()
 
 
+def test_cli_from_record_is_spec_file(cache_dir, tmp_path, make_spec):
+    record = tmp_path / "specs.jsonl"
+    record.write_text(json.dumps({"arch": "sm_80", "spec": make_spec().to_dict()}) + "\n")
+    rows = _json(run_cli(cache_dir, "warm", "--from-record", str(record), "--dry-run", "--json"))
+    assert [(r["uri"], r["arch"]) for r in rows] == [(make_spec().uri, "sm_80")]
+
+
 def test_cli_param_errors_exit_2_naming_the_parameter(cache_dir):
     for params, words in ((["--param", "hiden=1"], "--param hiden: unknown parameter"),
                           (["--param", "seq=x"], "--param seq=x: bad value"),
