@@ -26,8 +26,7 @@ EXAMPLES = {
   nvdnn warm --preset transformer --param seq=4096 --all-candidates --dry-run
 
 model presets and their parameters (--param KEY=VALUE, lists with commas):
-""" + "\n".join(f"  {m.name}: " + " ".join(f"{p.name}={p.default}" for p in m.params)
-            for m in models.MODELS.values()),
+""" + "\n".join(m.describe() for m in models.MODELS.values()),
     "cache": """examples:
   nvdnn cache info --json
   nvdnn cache list --family pointwise --arch sm_90

@@ -27,7 +27,8 @@ from .spec import KernelSpec
 @dataclass(frozen=True)
 class T:
     """A layer's tensor: dims (NCHW order for images) as ints or names of model values; its data
-    type ("io": the model's) and layout ("packed", "NHWC", or "io": the model's image layout)."""
+    type ("io": the model's) and layout: "packed", "NHWC", "io" (the model's image layout) or
+    "memory" (the packed array in the model's memory order: (N, H, W, C) for NHWC)."""
     dims: tuple
     dtype: str = "io"
     layout: str = "packed"
@@ -144,7 +145,6 @@ class Model:
     params: tuple                                     # Param rows
     layers: tuple                                     # Layer rows (symbolic)
     variants: Callable[[dict], list[dict]]            # parameters -> concrete value sets
-    example: str = ""
 
     def parse(self, given: dict[str, str]) -> dict:
         known = {p.name: p for p in self.params}
@@ -153,6 +153,14 @@ class Model:
                 raise ValidationError(f"--param {key}: unknown parameter of preset {self.name}; it takes "
                                       f"{', '.join(known)}", arg=key)
         return {p.name: p.parse(given.get(p.name, p.default), self.name) for p in self.params}
+
+    def describe(self, width: int = 100) -> str:
+        """For `nvdnn warm --help`: the summary, then each parameter with its default."""
+        import textwrap
+        params = "; ".join(f"{p.name}={p.default}: {p.help}" for p in self.params)
+        return "\n".join([textwrap.fill(f"{self.name}: {self.summary}", width, initial_indent="  ",
+                                         subsequent_indent="      "),
+                          textwrap.fill(params, width, initial_indent="      ", subsequent_indent="      ")])
 
 
 # -- ResNet-50 ------------------------------------------------------------------------------------
@@ -193,8 +201,9 @@ RESNET50_BLOCK = (
     layer("downsample.conv", "conv2d", {"x": act("n", "i", "s", "s"), "w": T(("o", "i", 1, 1))},
           {"stride": "stride", "padding": 0}, only={"block": "first"}),
     layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
-    layer("add+relu", "add", {"a": T(("n", "t", "t", "o")), "b": T(("n", "t", "t", "o"))}, then=("relu",),
-          count="blocks"),
+    layer("add+relu", "add", {"a": T(("n", "o", "t", "t"), "io", "memory"), "b": T(("n", "o", "t", "t"), "io",
+                                                                                   "memory")},
+          then=("relu",), count="blocks"),
 )
 
 RESNET50_HEAD = (
@@ -206,11 +215,11 @@ RESNET50_HEAD = (
 def _resnet50_layers() -> tuple:
     """The stem, each stage's first and other blocks (values bound per row), the head."""
     rows, channels = list(RESNET50_STEM), 64
-    for blocks, width, out, side_in, side in RESNET50_STAGES:
+    for stage, (blocks, width, out, side_in, side) in enumerate(RESNET50_STAGES, 1):
         for block, values in (("first", dict(i=channels, s=side_in, stride=side_in // side, blocks=1)),
                               ("rest", dict(i=out, s=side, stride=1, blocks=blocks - 1))):
             values |= dict(w=width, o=out, t=side, block=block)
-            rows += [_bind(row, values, f"stage{out // 256}.{block}.") for row in RESNET50_BLOCK
+            rows += [_bind(row, values, f"layer{stage}.{block}.") for row in RESNET50_BLOCK
                      if all(values.get(k, v) == v for k, v in row.only)]
         channels = out
     return tuple(rows + list(RESNET50_HEAD))
@@ -232,12 +241,13 @@ def _resnet50_variants(p: dict) -> list[dict]:
 
 
 RESNET50 = Model(
-    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool, "
-    "fc; convolutions are declared (no kernel family yet)",
+    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool; "
+    "the convolutions and the fc matmul are declared and skipped until their families exist",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
-     Param("layout", "choices:auto,NHWC,NCHW", "auto", "image layouts; auto: NHWC for 16-bit types, NCHW for float32")),
-    _resnet50_layers(), _resnet50_variants, "--preset resnet50 --param batch=32 --param dtype=fp16")
+     Param("layout", "choices:auto,NHWC,NCHW", "auto",
+           "image layouts, auto: NHWC for 16-bit types and NCHW for float32")),
+    _resnet50_layers(), _resnet50_variants)
 
 
 # -- transformer ----------------------------------------------------------------------------------
@@ -302,15 +312,14 @@ TRANSFORMER = Model(
     (Param("hidden", "int", "4096", "hidden size"),
      Param("heads", "int", "32", "attention heads"),
      Param("head_dim", "int", "128", "size of one head"),
-     Param("kv_heads", "int0", "0", "key/value heads (0: as many as heads)"),
-     Param("ffn", "int0", "0", "MLP width (0: 4 x hidden)"),
-     Param("seq", "int", "2048", "sequence length (softmax rows are this long)"),
+     Param("kv_heads", "int0", "0", "key/value heads, 0: as many as heads"),
+     Param("ffn", "int0", "0", "MLP width, 0: 4 x hidden"),
+     Param("seq", "int", "2048", "sequence length, the softmax rows' length"),
      Param("batch", "int", "1", "sequences per batch"),
      Param("dtype", "dtypes", "bfloat16", "data types"),
      Param("norm", "choices:layer,rms", "layer,rms", "which norms the model uses"),
-     Param("training", "bool", "1", "also the training forward (saved statistics) and backward kernels")),
-    TRANSFORMER_LAYERS, _transformer_variants,
-    "--preset transformer --param hidden=4096 --param heads=32 --param head_dim=128 --param dtype=bf16")
+     Param("training", "bool", "1", "also the training forward and backward kernels")),
+    TRANSFORMER_LAYERS, _transformer_variants)
 
 MODELS: dict[str, Model] = {m.name: m for m in (RESNET50, TRANSFORMER)}
 
@@ -380,7 +389,9 @@ def resolve(row: Layer, values: dict) -> tuple:
         except KeyError as exc:
             raise ValidationError(f"layer {row.name}: '{role}' names {exc.args[0]!r}, which is not a model value",
                                   arg=role) from None
-        layout = values.get("layout", "packed") if t.layout == "io" else t.layout
+        layout = values.get("layout", "packed") if t.layout in ("io", "memory") else t.layout
+        if t.layout == "memory" and layout == "NHWC":
+            dims, layout = (dims[0], *dims[2:], dims[1]), "packed"
         strides = nhwc_strides(list(dims)) if layout == "NHWC" else contiguous_strides(dims)
         out.append((role, dims, tuple(strides), values["dtype"] if t.dtype == "io" else t.dtype))
     return tuple(out)
@@ -477,8 +488,9 @@ def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = Fa
                 if key not in planned:
                     try:
                         planned[key] = graph_specs(layer_graph(row, tensors, arch), candidates)
-                    except (NvdnnError, KeyError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - a family's bug is reported, warm goes on
                         planned[key] = []
+                        exc = exc if isinstance(exc, NvdnnError) else f"{type(exc).__name__}: {exc}"
                         label = ", ".join(f"{k}={v}" for k, v in values.items() if k in ("n", "dtype", "layout",
                                                                                           "norm"))
                         result.failed.append((row.name, f"{label}, {arch}", str(exc)))
