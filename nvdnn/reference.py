@@ -319,8 +319,11 @@ def max_pool2d_backward(dy, x, kernel, stride=None, padding=0, dilation=1, ceil_
     _, idx = max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
     n, c, h, w = x.shape
     dx = np.zeros((n * c, h * w))
+    k, s, p, d, (oh, ow) = _pool_args(x.shape, kernel, stride, padding, dilation, ceil_mode)
+    taps = np.array([[len(_max_taps(i, k[0], s[0], p[0], d[0], h)) * len(_max_taps(j, k[1], s[1], p[1], d[1], w))
+                      for j in range(ow)] for i in range(oh)])
     planes, flat = np.repeat(np.arange(n * c), idx[0, 0].size), idx.reshape(-1)
-    inside = (flat >= 0) & (flat < h * w)  # a window with no tap inside the input routes nothing
+    inside = np.tile(taps.reshape(-1) > 0, n * c)  # a window with no tap inside the input routes nothing
     np.add.at(dx, (planes[inside], flat[inside]), dy.reshape(-1)[inside])
     return dx.reshape(x.shape)
 
@@ -444,3 +447,51 @@ def log_softmax_backward(dy, y, axis=-1):
     """dx = dy - exp(y) * sum(dy) from log_softmax's output y."""
     dy, y = _f64(dy), _f64(y)
     return dy - np.exp(y) * dy.sum(axis=axis, keepdims=True)
+
+
+# -- matrix multiply ------------------------------------------------------------------------------
+
+def _chain(v, epilogue, params):
+    """A fused pointwise epilogue ((op, rhs) steps of nvdnn.kernels.pointwise, scalars in order)."""
+    from .kernels import pointwise
+    slot = iter(params)
+    names = {"max": "maximum", "min": "minimum", "pow": "power", "gelu_tanh": "gelu"}
+    for op, rhs in epilogue:
+        schema = pointwise.OPS[op]
+        if schema.arity == 1:
+            args = [next(slot) for _ in schema.params]
+            if op == "gelu_tanh":
+                v = gelu(v, "tanh")
+            elif op == "relu":
+                v = relu(v, args[0], None if math.isinf(args[1]) else args[1])
+            else:
+                v = globals()[names.get(op, op)](v, *args)
+        else:
+            p = next(slot)
+            reverse = op.startswith("r") and op != "relu"
+            base = op[1:] if reverse else op
+            fn = globals()[names.get(base, base)]
+            v = fn(p, v) if reverse else fn(v, p)
+    return v
+
+
+def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=1.0, residual=None, epilogue=(), params=(),
+           activation=None, scale_a=1.0, scale_b=1.0, scale_out=None, return_amax=False):
+    """y = chain(alpha * scale_a * scale_b * (a @ b) + bias + beta * residual), NumPy's matmul
+    batching; bias per column (``bias_axis="col"``, N values) or per row ("row", M values);
+    ``activation`` a name of ``nvdnn.reference`` applied last (after ``epilogue``). With
+    ``return_amax``: also max |y| (before any ``scale_out``). ``scale_out``: y * scale_out, the
+    value an fp8 output quantizes."""
+    y = np.matmul(_f64(a), _f64(b)) * (float(alpha) * float(scale_a) * float(scale_b))
+    if bias is not None:
+        bias = _f64(bias).reshape(-1)
+        y = y + (bias[:, None] if bias_axis == "row" else bias)
+    if residual is not None:
+        y = y + float(beta) * _f64(residual)
+    y = _chain(y, epilogue, params)
+    if activation is not None:
+        y = globals()[activation](y)
+    amax_value = float(np.max(np.abs(y))) if y.size else 0.0
+    if scale_out is not None:
+        y = y * float(scale_out)
+    return (y, amax_value) if return_amax else y

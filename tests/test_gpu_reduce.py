@@ -60,7 +60,10 @@ SCALE = {"sum": "norm1", "mean": "norm1", "norm1": "norm1", "norm2": "norm2"}
 def _reduce_case(opname, dtype, shape, axes, out_dtype=None, transpose=False, keepdims=False):
     low, high = (0.97, 1.03) if opname == "prod" else (-4.0, 4.0)
     if (out_dtype or dtype) == "float16" and opname in ("sum", "norm1"):
-        low, high = -1.0, 1.0  # 65537 terms of up to 4 would pass float16's largest value, 65504
+        # the summed terms must stay below float16's largest value, 65504
+        terms = math.prod(shape[a] for a in R.normalize_axes(axes, len(shape)))
+        high = min(1.0, 30000.0 / terms)
+        low = -high
     x, x64 = random(tuple(reversed(shape)) if transpose else shape, dtype, low, high)
     if transpose:
         x, x64 = x.T, x64.T

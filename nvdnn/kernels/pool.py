@@ -6,7 +6,9 @@ max, argmax indices as the flat ``h * W + w`` within the plane (the first maximu
 NaN), avg's count_include_pad and divisor_override (avg takes no dilation). x is (N, C, H, W),
 read through its strides; its layout (``layout_of``) picks the kernel: NCHW folds one channel
 per thread, NHWC 16-byte vectors of channels. Every output (y, indices, dx) is packed in x's
-layout. Backward is a gather (each dx pixel sums the windows that hold it): deterministic, no
+layout. A window with no tap inside the input (dilation past a one-pixel edge) gives -inf and
+passes no gradient (PyTorch routes it to an element outside the window). Backward is a gather
+(each dx pixel sums the windows that hold it): deterministic, no
 atomics. Forward outputs take a pointwise epilogue chain and their own data type.
 """
 from __future__ import annotations
