@@ -12,6 +12,8 @@ _LOCK = threading.Lock()
 
 
 DEFAULT_SHARED = 48 * 1024  # dynamic shared memory beyond this needs an opt-in per kernel
+# CUfunction_attribute: clusters past 8 blocks (sm_90) run only where a kernel opts in
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 def function(binary: KernelBinary, device_id: int, shared_mem: int = 0):
@@ -36,7 +38,11 @@ def _load(binary: KernelBinary, device_id: int):
             module = cupy.cuda.function.Module()
             module.load(binary.cubin)
             _MODULES.append(module)
-            found = _FUNCTIONS[(binary.key, device_id)] = module.get_function(binary.entry)
+            found = module.get_function(binary.entry)
+            if int(cupy.cuda.Device(device_id).compute_capability) >= 90:
+                from cupy_backends.cuda.api import driver
+                driver.funcSetAttribute(found.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            _FUNCTIONS[(binary.key, device_id)] = found
     return found
 
 

@@ -43,7 +43,7 @@ RPBS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NVS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 SPLITS = ("none", "cluster", "stats", "apply")
-CLUSTERS = (1, 2, 4, 8)          # 8: the largest portable cluster
+CLUSTERS = (1, 2, 4, 8, 16)      # 8: the largest portable cluster; 16 needs an opt-in (runtime)
 MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
 MAX_LEAD = 3
 FORWARD_EPT = 32                 # row elements a thread may hold in a forward kernel
@@ -124,7 +124,7 @@ class RowSpec(KernelSpec):
             raise ValidationError(f"rpb: a split row ({self.split}) takes one row per block", arg="rpb")
         if (self.split == "cluster") != (self.cluster > 1):
             raise ValidationError(f"cluster: {self.cluster} blocks does not fit split {self.split!r} (a cluster "
-                                  "is 2 to 8 blocks, and only split 'cluster' has one)", arg="cluster")
+                                  "is 2 to 16 blocks, and only split 'cluster' has one)", arg="cluster")
         ops = self.row_operands()
         first = _itemsize(ops[0][1])
         if self.vec * first > 16:
@@ -1138,9 +1138,11 @@ def candidates(spec: KernelSpec) -> list[KernelSpec]:
                 add(tpr=tpr, nv=nv, min_blocks=_min_blocks(tpr, threads))
         return list(out)
     vectors = spec.tpr * spec.nv * spec.cluster
-    # A cluster keeps its size: the heuristic's leaves no block of it without a part of the row
-    # (see _heuristic), and a variant with the same size and reach cannot either.
-    clusters = (1,) if spec.split == "none" else (spec.cluster,)
+    # A cluster keeps its reach, and its size but for one variant: doubling a cluster of 8 halves
+    # its blocks, so two fit a multiprocessor (H200: one block of 1024 threads leaves the memory
+    # pipe idle while it combines its statistics). The heuristic's leaves no block of a cluster
+    # without a part of the row (see _heuristic); the doubled one may leave one.
+    clusters = (1,) if spec.split == "none" else (spec.cluster,) + ((16,) if spec.cluster == 8 else ())
     for cl in clusters:
         for nv in (n for n in NVS if n <= min(4, most)):
             tpr = vectors // (nv * cl)
