@@ -111,6 +111,7 @@ class KernelCache:
 
     # -- lookup -----------------------------------------------------------------------------------
     def get(self, spec: KernelSpec, arch: str) -> KernelBinary:
+        arch = spec.target_arch(arch)
         found = self._by_spec.get((spec, arch))
         if found is not None:
             self.stats["memory_hits"] += 1
@@ -125,6 +126,7 @@ class KernelCache:
 
     def contains(self, spec: KernelSpec, arch: str) -> bool:
         """Whether a valid entry for (spec, arch) is on disk or in memory; compiles nothing."""
+        arch = spec.target_arch(arch)
         if (spec, arch) in self._by_spec:
             return True
         key = cache_key(codegen.render(spec), compiler.options_for(arch), arch)

@@ -21,6 +21,24 @@ def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), size
 
 
+def resolve_args(args: tuple, pointers: list) -> tuple:
+    """Scalar arguments with those known only at launch resolved: an argument with a
+    ``resolve(address)`` method (a TMA tensor map) becomes its value over the address of
+    pointer argument ``arg.pointer`` (a CuPy array, a workspace view or an address). Host work
+    only: no synchronization."""
+    out = []
+    for a in args:
+        if hasattr(a, "resolve"):
+            p = pointers[a.pointer]
+            a = a.resolve(int(p) if isinstance(p, (int, np.integer)) else p.data.ptr)
+        out.append(a)
+    return tuple(out)
+
+
+def has_deferred(args: tuple) -> bool:
+    return any(hasattr(a, "resolve") for a in args)
+
+
 def functions(plan: Plan, device: int, arch: str | None = None) -> list:
     """The loaded kernel of every launch, compiled or fetched from the cache on first use."""
     arch = arch or compiler.device_arch(device)
@@ -47,4 +65,5 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
                 pointers.append(tensors[role])
             else:
                 raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
-        fn(launch.grid, launch.block, (*pointers, *launch.args), shared_mem=launch.shared_mem, stream=stream)
+        args = resolve_args(launch.args, pointers) if has_deferred(launch.args) else launch.args
+        fn(launch.grid, launch.block, (*pointers, *args), shared_mem=launch.shared_mem, stream=stream)

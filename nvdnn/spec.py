@@ -71,6 +71,11 @@ class KernelSpec:
         """The values the template sees; every one derived from validated fields."""
         raise NotImplementedError
 
+    def target_arch(self, arch: str) -> str:
+        """The arch this kernel compiles for on a device of ``arch`` (wgmma kernels: sm_90 ->
+        sm_90a, the arch-specific target that has it)."""
+        return arch
+
     def to_dict(self) -> dict:
         return {"family": self.family,
                 "fields": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
-from .kernels import norm, pointwise, pool, reduce
+from .kernels import matmul, norm, pointwise, pool, reduce
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
@@ -22,6 +22,7 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "norms": norm.preset,      # layer / RMS norm, softmax, log-softmax, forward and backward
     "reduce": reduce.preset,   # reductions, batch / group / instance norm
     "pool": pool.preset,
+    "matmul": matmul.preset,   # fp16 / bf16 / tf32 / fp32 / fp8 GEMMs with fused epilogues, sm_90 and sm_80
 }
 
 
@@ -30,11 +31,13 @@ class WarmReport:
     compiled: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel, why the arch cannot run it)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {"compiled": len(self.compiled), "cached": len(self.cached), "failed": len(self.failed),
                 "failures": [{"kernel": k, "error": e} for k, e in self.failed],
+                "skipped": len(self.skipped),
                 "seconds": round(self.seconds, 3)}
 
 
@@ -64,6 +67,16 @@ def read_spec_file(path: str | os.PathLike) -> list[tuple[KernelSpec, str | None
     return out
 
 
+def _unsupported(spec: KernelSpec, arch: str) -> str | None:
+    """Why ``arch`` cannot run ``spec``, from its family module's unsupported_reason (if any)."""
+    import sys
+    check = getattr(sys.modules.get(type(spec).__module__), "unsupported_reason", None)
+    try:
+        return check(spec, arch) if check is not None else None
+    except Exception:  # a family's check must never stop a warm
+        return None
+
+
 def _compile_one(folder: str, spec_json: str, arch: str) -> tuple[str, str]:
     """Worker: compile one kernel into the cache folder; ('ok' | error text, uri)."""
     spec = KernelSpec.from_dict(json.loads(spec_json))
@@ -82,6 +95,10 @@ def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int
     todo = []
     for spec, arch in dict.fromkeys(jobs):
         label = f"{spec.uri} [{arch}]"
+        reason = _unsupported(spec, arch)
+        if reason:  # a preset spans archs (wgmma on Hopper only): not an error
+            report.skipped.append((label, reason))
+            continue
         (report.cached.append(label) if cache.contains(spec, arch) else todo.append((spec, arch)))
     workers = workers or os.cpu_count() or 1
     done = 0

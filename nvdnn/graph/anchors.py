@@ -305,3 +305,20 @@ register(
              epilogue=False),
     _softmax_row(False), _softmax_row(True), _softmax_backward_row(False), _softmax_backward_row(True),
 )
+
+
+# -- matmul ---------------------------------------------------------------------------------------
+from ..kernels import matmul  # noqa: E402
+
+_MATMUL_ATTRS = (("bias_axis", "col"), ("alpha", 1.0), ("beta", 1.0), ("precision", "exact"))
+
+register(
+    AnchorOp("matmul", "matmul", ("a", "b", "bias?", "residual?"), ("y",), _MATMUL_ATTRS,
+             lambda a, m: [_packed(matmul.output_shape(m["a"].dims, m["b"].dims))],
+             lambda a, o, e: matmul.plan_matmul(
+                 o["a"], o["b"], bias=o.get("bias"), bias_axis=a["bias_axis"], residual=o.get("residual"),
+                 alpha=a["alpha"], beta=a["beta"], epilogue=e.steps, params=e.params, out_dtype=e.out_dtype,
+                 out_align=e.out_align, precision=a["precision"], arch=e.arch, tile=e.tile),
+             lambda a, v: (ref.matmul(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
+                                      beta=a["beta"], residual=v.get("residual")),)),
+)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import arrays, compiler, dtypes, fusion, runtime
+from .. import arrays, compiler, dtypes, fusion, launcher, runtime
 from ..cache import KernelBinary, default_cache
 from ..errors import DeviceError, DTypeError, UnsupportedError, ValidationError
 from .. import kernels
@@ -56,6 +56,7 @@ class _Launch(NamedTuple):
     slots: tuple          # per pointer argument: ("io", index) or ("ws",) (its view is in the pointers)
     tail: tuple           # the integer and float arguments
     shared_mem: int = 0
+    deferred: bool = False  # the tail holds arguments resolved at launch (launcher.resolve_args)
 
 
 class _GroupRun(NamedTuple):
@@ -563,7 +564,8 @@ class Graph:
                         slot, view = place(by_role[role])
                         slots.append(slot), pointers.append(view)
                 fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem)
-                launches.append((_Launch(fn, lp.grid, lp.block, tuple(slots), lp.args, lp.shared_mem), pointers))
+                launches.append((_Launch(fn, lp.grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
+                                         launcher.has_deferred(lp.args)), pointers))
             runs.append(_GroupRun(launches, outputs))
         return runs
 
@@ -775,8 +777,8 @@ del _op
 def _run_group(run: _GroupRun, bound, stream=None) -> None:
     for launch, pointers in run.launches:
         args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
-        launch.function(launch.grid, launch.block, (*args, *launch.tail), shared_mem=launch.shared_mem,
-                        stream=stream)
+        tail = launcher.resolve_args(launch.tail, args) if launch.deferred else launch.tail
+        launch.function(launch.grid, launch.block, (*args, *tail), shared_mem=launch.shared_mem, stream=stream)
 
 
 class CapturedGraph:

@@ -33,7 +33,7 @@ class Plan(NamedTuple):
     scratch: tuple = ()
 
 
-FAMILIES = ("pointwise", "norm", "reduce", "pool")
+FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul")
 
 
 def family(name: str):

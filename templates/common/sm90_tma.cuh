@@ -1,0 +1,18 @@
+// The Tensor Memory Accelerator: a CUtensorMap (built on the host by cuTensorMapEncodeTiled,
+// passed by value as a __grid_constant__ kernel parameter) names a global tensor; one thread
+// copies a box of it into shared memory, completing the bytes on an mbarrier. Out-of-bounds
+// elements of a box are zero-filled, so partial tiles need no predication on the load side.
+namespace nvdnn {
+struct alignas(64) TmaDesc { unsigned long long words[16]; };
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* map, int c0, int c1, int c2,
+                                            unsigned long long* bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4 }], [%5];"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(reinterpret_cast<unsigned long long>(map)),
+                  "r"(c0), "r"(c1), "r"(c2), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+}  // namespace nvdnn

@@ -1,0 +1,338 @@
+"""Matmul on the GPU against float64 references, NaN-poisoned outputs: every input type and
+transposition with the fused epilogues at odd shapes (M, N, K from {1, 7, 129, 1000, 4097}),
+K = 1, batch 3 with broadcast, split-K, fp8 with scales and amax, 4096^3 and 8192^3 bf16, and
+every tile candidate of a few shapes. A failure names the kernel (spec uri), the first
+mismatching index, the worst error and its bound.
+
+The cases are plain data (``CASES``, ``case_plans``), so benchmarks/prewarm_gpu_check.py
+compiles exactly their kernels on the CPU beforehand."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from .gpu import requires_gpu
+
+pytestmark = requires_gpu
+
+ODD = (1, 7, 129, 1000, 4097)
+SHAPES = [(1, 7, 129), (7, 1, 4097), (129, 1000, 7), (1000, 129, 1), (4097, 7, 129), (129, 129, 129),
+          (1000, 1000, 1000), (7, 4097, 1000), (1, 4097, 1), (129, 4097, 1000)]
+MAJORS = [("k", "k"), ("k", "n"), ("m", "k"), ("m", "n")]
+EPILOGUES = {  # name: (bias axis or None, activation, residual, alpha, beta, out dtype or None)
+    "plain": (None, None, False, 1.0, 1.0, None),
+    "bias_gelu": ("col", "gelu", False, 1.0, 1.0, None),
+    "rowbias_relu": ("row", "relu", False, 1.0, 1.0, None),
+    "residual_silu": (None, "silu", True, 2.0, 0.5, None),
+    "gelu_tanh_f32": ("col", "gelu_tanh", False, 0.5, 1.0, "float32"),
+}
+# (rel to |ref|, rel to rms(ref)): fp32 accumulation, then the output's rounding
+TOL = {"float32": (1e-5, 2e-5), "tf32": (3e-3, 5e-3), "float16": (2e-3, 2e-3), "bfloat16": (1e-2, 8e-3),
+       "float8_e4m3": (7e-2, 4e-2), "float8_e5m2": (1.3e-1, 8e-2)}
+
+
+def _cases():
+    out = []
+    for dt in ("bfloat16", "float16"):
+        for (m, n, k), (am, bm) in [(s, mj) for s in SHAPES for mj in MAJORS]:
+            epi = list(EPILOGUES)[(m + n + k + len(am + bm) * 3 + MAJORS.index((am, bm))) % len(EPILOGUES)]
+            out.append(dict(dtype=dt, m=m, n=n, k=k, a_major=am, b_major=bm, epilogue=epi))
+        for epi in EPILOGUES:  # every epilogue on the Hopper kernel and the fallback
+            out.append(dict(dtype=dt, m=1000, n=1029, k=1032, a_major="k", b_major="k", epilogue=epi))
+            out.append(dict(dtype=dt, m=1000, n=1029, k=1031, a_major="k", b_major="k", epilogue=epi))
+        out.append(dict(dtype=dt, m=129, n=1000, k=4097, a_major="k", b_major="k", epilogue="bias_gelu", batch="a"))
+        out.append(dict(dtype=dt, m=129, n=1000, k=1032, a_major="k", b_major="k", epilogue="residual_silu",
+                        batch="b"))
+        out.append(dict(dtype=dt, m=7, n=129, k=1000, a_major="m", b_major="n", epilogue="plain", batch="ab"))
+        out.append(dict(dtype=dt, m=64, n=64, k=16384, a_major="k", b_major="k", epilogue="bias_gelu", amax=True))
+        out.append(dict(dtype=dt, m=100, n=72, k=8200, a_major="k", b_major="n", epilogue="rowbias_relu", split_k=7))
+    for precision in ("exact", "tf32"):
+        for (m, n, k), (am, bm) in [((129, 1000, 7), ("k", "k")), ((1000, 129, 1), ("m", "n")),
+                                    ((1000, 1000, 1000), ("k", "n")), ((7, 4097, 129), ("m", "k")),
+                                    ((1, 7, 4097), ("k", "k"))]:
+            out.append(dict(dtype="float32", precision=precision, m=m, n=n, k=k, a_major=am, b_major=bm,
+                            epilogue="bias_gelu"))
+        out.append(dict(dtype="float32", precision=precision, m=129, n=129, k=1000, a_major="k", b_major="k",
+                        epilogue="residual_silu", batch="a"))
+    for a8, b8 in (("float8_e4m3", "float8_e4m3"), ("float8_e5m2", "float8_e4m3")):
+        for m, n, k in ((1000, 1029, 1024), (129, 7, 4096), (1, 1000, 1040), (257, 129, 40), (7, 7, 1)):
+            for out_dtype in ("bfloat16", "float8_e4m3"):
+                out.append(dict(dtype=a8, b_dtype=b8, m=m, n=n, k=k, a_major="k", b_major="k",
+                                epilogue="rowbias_relu" if m % 2 else "bias_gelu", out=out_dtype, amax=True))
+    return out
+
+
+CASES = _cases()
+
+
+def _name(c):
+    return "-".join(f"{k}={v}" for k, v in c.items())
+
+
+# -- building inputs ------------------------------------------------------------------------------
+
+def _host_values(shape, dtype, rng, scale=1.0):
+    """Random values exactly representable in ``dtype`` (fp8: through ml_dtypes)."""
+    import ml_dtypes
+    from nvdnn import dtypes
+    v = rng.uniform(-scale, scale, size=shape).astype(np.float32)
+    if dtype.startswith("float8"):
+        h = v.astype(dtypes.BY_NAME[dtype].host)
+        return h.view(np.uint8), h.astype(np.float64)
+    h = v.astype(dtypes.BY_NAME[dtype].np)
+    return h, h.astype(np.float64)
+
+
+def _matrix(rows, cols, dtype, major_first: bool, batch: int, rng, scale=1.0):
+    """A (batch?, rows, cols) device array whose first logical dim is contiguous when
+    ``major_first`` (a transposed view), and its float64 value."""
+    import cupy
+    lead = (batch,) if batch else ()
+    if major_first:
+        h, v = _host_values(lead + (cols, rows), dtype, rng, scale)
+        return cupy.asarray(h).swapaxes(-1, -2), np.swapaxes(v, -1, -2)
+    h, v = _host_values(lead + (rows, cols), dtype, rng, scale)
+    return cupy.asarray(h), v
+
+
+def _operand(x, dtype):
+    from nvdnn import arrays
+    from nvdnn.kernels.pointwise import Operand
+    return Operand(dtype, tuple(x.shape), tuple(s // x.itemsize for s in x.strides), arrays.alignment(x.data.ptr))
+
+
+def build(case, rng):
+    """Device inputs, float64 values and the keyword arguments of nvdnn.matmul for a case."""
+    import cupy
+    c = dict(case)
+    dt, bdt = c["dtype"], c.get("b_dtype", c["dtype"])
+    m, n, k = c["m"], c["n"], c["k"]
+    batch = c.get("batch", "")
+    fp8 = dt.startswith("float8")
+    scale = 1.0 if not fp8 else 2.0
+    a, a64 = _matrix(m, k, dt, c["a_major"] == "m", 3 if "a" in batch else 0, rng, scale)
+    b, b64 = _matrix(k, n, bdt, c["b_major"] == "k", 3 if "b" in batch else 0, rng, scale)
+    bias_axis, act, residual, alpha, beta, out_dtype = EPILOGUES[c["epilogue"]]
+    out_dtype = c.get("out", out_dtype)
+    epi_dt = "bfloat16" if fp8 else ("float32" if dt == "float32" else dt)
+    kw = dict(alpha=alpha, activation=act, precision=c.get("precision", "exact"))
+    values = {}
+    if bias_axis:
+        bias, values["bias"] = _matrix(1, m if bias_axis == "row" else n, epi_dt, False, 0, rng)
+        kw["bias"], kw["bias_axis"] = bias[0], bias_axis
+        values["bias"] = values["bias"][0]
+    lead = (3,) if batch else ()
+    if residual:
+        r, values["residual"] = _matrix(m, n, epi_dt, False, 3 if batch else 0, rng)
+        kw["residual"], kw["beta"] = r, beta
+    if fp8:
+        kw.update(a_dtype=dt, b_dtype=bdt, scale_a=cupy.asarray([0.5], cupy.float32),
+                  scale_b=cupy.asarray([1.5], cupy.float32))
+        values.update(scale_a=0.5, scale_b=1.5)
+        if out_dtype and out_dtype.startswith("float8"):
+            kw["scale_out"] = cupy.asarray([0.25], cupy.float32)
+            values["scale_out"] = 0.25
+    if c.get("amax"):
+        kw["amax"] = cupy.full(1, np.nan, cupy.float32)
+    if c.get("split_k"):
+        kw["split_k"] = c["split_k"]
+    kind = out_dtype or ("bfloat16" if fp8 else dt)
+    shape = lead + (m, n)
+    from nvdnn import dtypes
+    out = cupy.full(shape, 0xFF, np.uint8) if kind.startswith("float8") else cupy.full(shape, np.nan,
+                                                                                      dtypes.BY_NAME[kind].np)
+    if kind.startswith("float8"):
+        kw["dtype"] = kind
+    elif out_dtype:
+        kw["dtype"] = kind
+    return dict(a=a, b=b, a64=a64, b64=b64, kw=kw, values=values, out=out, kind=kind, act=act)
+
+
+def case_plans(case, arch="sm_90", sms=132, tile=None):
+    """The family plans nvdnn.matmul makes for a case (deviceless: for the pre-warm)."""
+    from nvdnn import compiler  # noqa: F401
+    from nvdnn.kernels import matmul as mm
+    from nvdnn.kernels.pointwise import Operand
+    c = dict(case)
+    dt, bdt = c["dtype"], c.get("b_dtype", c["dtype"])
+    m, n, k = c["m"], c["n"], c["k"]
+    batch = c.get("batch", "")
+
+    def op(rows, cols, dtype, major_first, batched):
+        lead = (3,) if batched else ()
+        if major_first:
+            strides = ((rows * cols,) if batched else ()) + (1, rows)
+        else:
+            strides = ((rows * cols,) if batched else ()) + (cols, 1)
+        return Operand(dtype, lead + (rows, cols), strides, 16)
+
+    bias_axis, act, residual, alpha, beta, out_dtype = EPILOGUES[c["epilogue"]]
+    out_dtype = c.get("out", out_dtype)
+    fp8 = dt.startswith("float8")
+    epi_dt = "bfloat16" if fp8 else ("float32" if dt == "float32" else dt)
+    from nvdnn.functional_anchors import _activation
+    from nvdnn.graph.ops import SCHEMAS
+    a_ = _activation(act, {})
+    steps = () if a_ is None else ((SCHEMAS[a_[0]].kernel_op, ""),)
+    params = () if a_ is None else tuple(a_[1])
+    return mm.plan_matmul(op(m, k, dt, c["a_major"] == "m", "a" in batch), op(k, n, bdt, c["b_major"] == "k",
+                                                                              "b" in batch),
+                          bias=Operand(epi_dt, (m if bias_axis == "row" else n,), (1,)) if bias_axis else None,
+                          bias_axis=bias_axis or "col",
+                          residual=op(m, n, epi_dt, False, bool(batch)) if residual else None, alpha=alpha, beta=beta,
+                          epilogue=steps, params=params, out_dtype=out_dtype, precision=c.get("precision", "exact"),
+                          amax=bool(c.get("amax")), arch=arch, split_k=c.get("split_k"), sms=sms, tile=tile)
+
+
+def reference(case, built):
+    from nvdnn import reference as ref
+    v = built["values"]
+    _, act, _, alpha, beta, _ = EPILOGUES[case["epilogue"]]
+    return ref.matmul(built["a64"], built["b64"], v.get("bias"), bias_axis=EPILOGUES[case["epilogue"]][0] or "col",
+                      alpha=alpha, beta=beta, residual=v.get("residual"), activation=act,
+                      scale_a=v.get("scale_a", 1.0), scale_b=v.get("scale_b", 1.0), scale_out=v.get("scale_out"),
+                      return_amax=True)
+
+
+def compare(got, want, kind, what, k):
+    """Every element written (no NaN where the reference has none), within the dtype's bound."""
+    got = np.asarray(got, dtype=np.float64)
+    rel, rms_rel = TOL[kind]
+    rms = float(np.sqrt(np.mean(want ** 2))) if want.size else 0.0
+    if kind == "float32":
+        rms_rel *= max(1.0, math.sqrt(k) / 16)
+    bound = rel * np.abs(want) + rms_rel * rms + 1e-30
+    err = np.abs(got - want)
+    bad = ~(err <= bound)  # NaN counts as bad
+    if bad.any():
+        first = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        worst = np.unravel_index(int(np.nanargmax(np.where(np.isnan(err), np.inf, err / bound))), bad.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} wrong; first at {first}: got {got[first]} "
+                             f"want {want[first]}; worst at {worst}: got {got[worst]} want {want[worst]} (bound "
+                             f"{bound[worst]:.3g}, rms(ref) {rms:.3g}); NaN left: {int(np.isnan(got).sum())}")
+
+
+def _decode(y, kind):
+    from nvdnn import dtypes
+    h = y.get()
+    if kind.startswith("float8"):
+        return h.view(dtypes.BY_NAME[kind].host).astype(np.float64)
+    return h.astype(np.float64)
+
+
+def _uris(case):
+    try:
+        return " | ".join(l.spec.uri for l in case_plans(case).launches)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"(plan failed: {exc})"
+
+
+def _tolerance_kind(case, kind):
+    if case["dtype"] == "float32":
+        return "tf32" if case.get("precision") == "tf32" else "float32"
+    if kind.startswith("float8"):
+        return kind
+    if case["dtype"].startswith("float8"):
+        return "bfloat16"
+    return case["dtype"] if kind != "float32" else case["dtype"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_matmul_against_float64(case):
+    import nvdnn
+    rng = np.random.default_rng(abs(hash(_name(case))) % (1 << 32))
+    built = build(case, rng)
+    y = nvdnn.matmul(built["a"], built["b"], out=built["out"], **built["kw"])
+    want, amax = reference(case, built)
+    what = f"{_name(case)} [{_uris(case)}]"
+    compare(_decode(y, built["kind"]), want, _tolerance_kind(case, built["kind"]), what, case["k"])
+    if case.get("amax"):
+        got = float(built["kw"]["amax"].get()[0])
+        assert math.isclose(got, amax, rel_tol=1e-2, abs_tol=1e-6), f"{what}: amax {got}, reference {amax}"
+
+
+BIG = [dict(dtype="bfloat16", m=4096, n=4096, k=4096, a_major="k", b_major="k", epilogue="rowbias_relu"),
+       dict(dtype="float16", m=4096, n=4096, k=4096, a_major="k", b_major="n", epilogue="plain"),
+       dict(dtype="bfloat16", m=8192, n=8192, k=8192, a_major="k", b_major="k", epilogue="plain"),
+       dict(dtype="float8_e4m3", m=4096, n=4096, k=4096, a_major="k", b_major="k", epilogue="rowbias_relu",
+            out="bfloat16", amax=True)]
+
+
+@pytest.mark.parametrize("case", BIG, ids=_name)
+def test_large_matmul_against_float64(case):
+    """The float64 product on the GPU (cuBLAS DGEMM), the epilogue on the host."""
+    import cupy
+    import nvdnn
+    rng = np.random.default_rng(5)
+    built = build(case, rng)
+    y = nvdnn.matmul(built["a"], built["b"], out=built["out"], **built["kw"])
+    prod = (cupy.asarray(built["a64"]) @ cupy.asarray(built["b64"])).get()
+    a_ = dict(built)
+    a_["a64"], a_["b64"] = prod, np.eye(prod.shape[-1])
+    want, amax = reference(case, a_)
+    what = f"{_name(case)} [{_uris(case)}]"
+    compare(_decode(y, built["kind"]), want, _tolerance_kind(case, built["kind"]), what, case["k"])
+    if case.get("amax"):
+        got = float(built["kw"]["amax"].get()[0])
+        assert math.isclose(got, amax, rel_tol=1e-2), f"{what}: amax {got}, reference {amax}"
+
+
+TILE_CASES = [dict(dtype="bfloat16", m=1000, n=1029, k=1032, a_major="k", b_major="k", epilogue="bias_gelu"),
+              dict(dtype="float16", m=257, n=520, k=1032, a_major="m", b_major="n", epilogue="residual_silu"),
+              dict(dtype="float32", precision="tf32", m=257, n=520, k=1000, a_major="k", b_major="k",
+                   epilogue="plain"),
+              dict(dtype="float8_e4m3", m=1000, n=1029, k=1024, a_major="k", b_major="k", epilogue="rowbias_relu",
+                   out="bfloat16", amax=True)]
+
+
+def tile_plans(case, arch="sm_90", sms=132):
+    """Every candidate tile of a case's heuristic plan (and the mma / simt fallbacks of wgmma)."""
+    from nvdnn.kernels import matmul as mm
+    base = case_plans(case, arch, sms)
+    spec = [l.spec for l in base.launches if isinstance(l.spec, mm.MatmulSpec)][0]
+    return mm.candidates(spec)
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=_name)
+def test_every_tile_candidate(case):
+    import cupy
+    from nvdnn import launcher
+    from nvdnn.kernels import matmul as mm
+    rng = np.random.default_rng(3)
+    built = build(case, rng)
+    want, amax = reference(case, built)
+    base = case_plans(case, sms=cupy.cuda.Device().attributes["MultiProcessorCount"])
+    failures = []
+    for tile in tile_plans(case):
+        plan = case_plans(case, sms=cupy.cuda.Device().attributes["MultiProcessorCount"], tile=tile)
+        got_spec = [l.spec for l in plan.launches if isinstance(l.spec, mm.MatmulSpec)][0]
+        out = built["out"].copy()
+        out.fill(np.nan) if out.dtype != np.uint8 else out.fill(0xFF)
+        tensors = {"a": built["a"], "b": built["b"], "y": out}
+        kw = built["kw"]
+        for role in ("bias", "residual", "scale_a", "scale_b", "scale_out", "amax"):
+            if kw.get(role) is not None:
+                tensors[role] = kw[role]
+        launcher.run(plan, tensors)
+        try:
+            compare(_decode(out, built["kind"]), want, _tolerance_kind(case, built["kind"]), got_spec.uri, case["k"])
+            if case.get("amax"):
+                got = float(kw["amax"].get()[0])
+                assert math.isclose(got, amax, rel_tol=1e-2), f"{got_spec.uri}: amax {got}, reference {amax}"
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, f"{len(failures)} candidates wrong (heuristic {base.launches[-1].spec.uri}):\n" + \
+        "\n".join(failures)
+
+
+def test_unsupported_requests_are_refused_with_a_reason():
+    import cupy
+    import nvdnn
+    from nvdnn.errors import DTypeError, ValidationError
+    a = cupy.zeros((8, 8), cupy.uint8)
+    with pytest.raises(DTypeError, match="declare its fp8 type"):
+        nvdnn.matmul(a, a)
+    with pytest.raises(ValidationError, match="contracted dims"):
+        nvdnn.matmul(cupy.zeros((4, 5), cupy.float16), cupy.zeros((6, 3), cupy.float16))

@@ -1,0 +1,205 @@
+"""Matmul on the CPU: the float64 reference, shape / type errors, which kernel the heuristic
+picks (wgmma on aligned K-major Hopper operands, mma.sync on sm_80 and other layouts, simt for
+exact fp32 and strided operands), fp8 refused on sm_80, split-K plans, the graph op and its
+fused epilogue, and the whole preset compiled for the archs that run it: no spills, HGMMA /
+QGMMA in the Hopper SASS, no local-memory traffic."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import nvdnn
+from nvdnn import reference as ref
+from nvdnn.cache import KernelCache
+from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
+from nvdnn.kernels import matmul as mm
+from nvdnn.kernels.pointwise import Operand
+from nvdnn.spec import KernelSpec
+from nvdnn.warm import warm
+
+from .test_compile import _cuobjdump
+
+RNG = np.random.default_rng(11)
+
+
+def op(dtype, shape, strides=None, align=16):
+    return Operand(dtype, shape, strides or mm.pointwise_contiguous(shape), align)
+
+
+def weight(dtype, k, n):
+    """B (K, N) stored as the (N, K) weight of a linear layer: K-major."""
+    return op(dtype, (k, n), (1, k))
+
+
+# -- reference --------------------------------------------------------------------------------------
+
+def test_reference_epilogue_order():
+    a, b = RNG.standard_normal((2, 5, 7)), RNG.standard_normal((7, 3))
+    bias, res = RNG.standard_normal(3), RNG.standard_normal((2, 5, 3))
+    y, amax = ref.matmul(a, b, bias, alpha=0.5, beta=2.0, residual=res, activation="relu", scale_a=3.0,
+                         scale_b=0.25, scale_out=8.0, return_amax=True)
+    want = np.maximum(0.5 * 0.75 * (a @ b) + bias + 2.0 * res, 0.0)
+    assert np.allclose(y, want * 8.0) and math.isclose(amax, np.abs(want).max())
+    rows = ref.matmul(a, b, np.arange(5.0), bias_axis="row")
+    assert np.allclose(rows, a @ b + np.arange(5.0)[:, None])
+    chained = ref.matmul(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
+    assert np.allclose(chained, ref.gelu(a @ b) * 2.0)
+
+
+# -- shapes, types, layouts ---------------------------------------------------------------------------
+
+def test_shape_errors_name_tensor_dim_and_rule():
+    with pytest.raises(ValidationError, match="b: dim 0 .K. is 6, A's last dim .K. is 7"):
+        mm.output_shape((5, 7), (6, 3))
+    with pytest.raises(ValidationError, match="batch dims do not broadcast"):
+        mm.output_shape((2, 5, 7), (3, 7, 3))
+    assert mm.output_shape((4, 1, 5, 7), (3, 7, 2)) == (4, 3, 5, 2)
+    with pytest.raises(DTypeError, match="does not go with"):
+        mm.plan_matmul(op("float16", (8, 8)), op("bfloat16", (8, 8)))
+    with pytest.raises(ValidationError, match="bias: shape"):
+        mm.plan_matmul(op("float16", (8, 8)), op("float16", (8, 4)), bias=op("float16", (8,)))
+    with pytest.raises(UnsupportedError, match="do not fold"):
+        mm.plan_matmul(op("float16", (2, 3, 8, 8), (64, 0, 8, 1)), op("float16", (8, 8)))
+
+
+def _kernel(plan):
+    return [launch.spec for launch in plan.launches if isinstance(launch.spec, mm.MatmulSpec)][0]
+
+
+def test_heuristic_kernels():
+    a, w = op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096)
+    assert _kernel(mm.plan_matmul(a, w, arch="sm_90")).kernel == "wgmma"
+    assert _kernel(mm.plan_matmul(a, w, arch="sm_80")).kernel == "mma"
+    # N-major B has no K-major tensor map: the mma.sync kernel (ldmatrix.trans)
+    spec = _kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_90"))
+    assert (spec.kernel, spec.b_major, spec.vec) == ("mma", "n", 8)
+    # K = 7: rows 14 bytes apart, no tensor map, one element per copy
+    spec = _kernel(mm.plan_matmul(op("float16", (33, 7)), weight("float16", 7, 9), arch="sm_90"))
+    assert (spec.kernel, spec.vec) == ("mma", 1)
+    f32 = op("float32", (256, 256))
+    assert _kernel(mm.plan_matmul(f32, f32, arch="sm_90")).kernel == "simt"
+    assert _kernel(mm.plan_matmul(f32, f32, precision="tf32", arch="sm_90")).precision == "tf32"
+    strided = op("float16", (64, 64), (128, 2))
+    assert _kernel(mm.plan_matmul(strided, op("float16", (64, 64)), arch="sm_90")).kernel == "simt"
+    # a misaligned address refuses the tensor map
+    assert _kernel(mm.plan_matmul(op("bfloat16", (256, 256), align=8), weight("bfloat16", 256, 256),
+                                  arch="sm_90")).kernel == "mma"
+
+
+def test_fp8_on_hopper_and_refused_on_ampere():
+    a8, w8 = op("float8_e4m3", (8192, 8192)), weight("float8_e5m2", 8192, 8192)
+    plan = mm.plan_matmul(a8, w8, bias=op("bfloat16", (8192,)), epilogue=[("relu", "")], params=(0.0, math.inf),
+                          amax=True, out_dtype="float8_e4m3", arch="sm_90")
+    assert [type(launch.spec).__name__ for launch in plan.launches] == ["MatmulZeroSpec", "MatmulSpec"]
+    spec = _kernel(plan)
+    assert (spec.kernel, spec.bk, spec.scaled, spec.amax) == ("wgmma", 128, True, True)
+    assert plan.launches[1].pointers == ("y", "a", "b", "bias", "scale_a", "scale_b", "scale_out", "amax")
+    assert "fp8" in mm.unsupported_reason(spec, "sm_80")
+    assert "sm_90a" in mm.unsupported_reason(spec, "sm_100")
+    assert mm.unsupported_reason(spec, "sm_90") is None
+    # K = 40 is not a multiple of 16 fp8 bytes: no tensor map, the simt fallback
+    odd = mm.plan_matmul(op("float8_e4m3", (64, 40)), weight("float8_e4m3", 40, 64), arch="sm_90")
+    assert _kernel(odd).kernel == "simt"
+
+
+def test_split_k_for_skinny_shapes():
+    plan = mm.plan_matmul(op("bfloat16", (64, 16384)), weight("bfloat16", 16384, 64), bias=op("bfloat16", (64,)),
+                          epilogue=[("gelu", "")], arch="sm_90")
+    part, finish = plan.launches
+    assert part.spec.split and part.pointers == ("scratch0", "a", "b") and part.grid[2] > 1
+    assert isinstance(finish.spec, mm.MatmulReduceSpec) and finish.spec.epilogue == (("gelu", ""),)
+    assert plan.scratch == (part.grid[2] * 64 * 64 * 4,)
+    chunk = int(part.args[10])
+    assert chunk % part.spec.bk == 0 and (part.grid[2] - 1) * chunk < 16384 <= part.grid[2] * chunk
+    assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
+                              arch="sm_80").launches) == 1
+
+
+def test_wgmma_plan_carries_tensor_maps():
+    plan = mm.plan_matmul(op("bfloat16", (3, 1000, 4104)), weight("bfloat16", 4104, 1029), arch="sm_90", sms=132)
+    launch = plan.launches[0]
+    maps = [a for a in launch.args if isinstance(a, mm.TensorMapArg)]
+    assert [m.pointer for m in maps] == [1, 2]
+    assert maps[0].dims == (4104, 1000, 3) and maps[0].box == (64, launch.spec.bm, 1)
+    assert maps[1].dims == (4104, 1029, 1)         # B broadcast over the batch: one plane
+    assert launch.grid[0] <= 132 and launch.block[0] == launch.spec.threads
+
+
+def test_specs_validate_and_round_trip():
+    for spec in mm.preset():
+        assert KernelSpec.from_dict(spec.to_dict()) == spec
+        for c in mm.candidates(spec):
+            assert c.kernel == spec.kernel if isinstance(spec, mm.MatmulSpec) else True
+    good = _kernel(mm.plan_matmul(op("bfloat16", (512, 512)), weight("bfloat16", 512, 512), arch="sm_90"))
+    with pytest.raises(ValidationError):
+        mm.MatmulSpec(**{**good.to_dict()["fields"], "b_major": "n"})
+    with pytest.raises(ValidationError):
+        mm.MatmulSpec(**{**good.to_dict()["fields"], "stages": 6, "bn": 256})   # shared memory
+
+
+# -- the graph op --------------------------------------------------------------------------------------
+
+def test_graph_fuses_bias_gelu_scale_into_the_epilogue():
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+    x, w = g.tensor(dims=[2, 64, 96], name="x"), g.tensor(dims=[96, 80], strides=[1, 96], name="w")
+    b = g.tensor(dims=[80], name="b")
+    y = g.scale(g.gelu(g.matmul(x, w, b)), 0.5, name="y").set_output(True)
+    g.validate().build_operation_graph().create_execution_plans().check_support()
+    assert len(g.groups) == 1 and g.groups[0].steps == [("gelu", ""), ("mul", "p")]
+    assert g.candidates[0][0].kernel == "wgmma" and len(g.candidates[0]) > 1
+    xs = RNG.standard_normal((2, 64, 96)).astype(np.float32)
+    ws = RNG.standard_normal((96, 80)).astype(np.float32)
+    bs = RNG.standard_normal(80).astype(np.float32)
+    out = np.empty((2, 64, 80), np.float32)
+    g.execute({"x": xs, "w": ws, "b": bs, "y": out}, backend="numpy")
+    assert np.allclose(out, ref.gelu(xs @ ws + bs) * 0.5, rtol=1e-5, atol=1e-5)
+    assert y.dims == (2, 64, 80)
+
+
+# -- the preset compiled -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("matmul-cache")
+    jobs = [(spec, arch) for spec in mm.preset() for arch in ("sm_80", "sm_90")]
+    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
+    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
+    return {"jobs": jobs, "report": report, "entries": entries}
+
+
+def test_every_preset_spec_compiles_without_spills(warmed):
+    report = warmed["report"]
+    assert report.failed == [], report.failed[:3]
+    runnable = {(s.uri, s.target_arch(a)) for s, a in warmed["jobs"] if not mm.unsupported_reason(s, a)}
+    assert set(warmed["entries"]) == runnable
+    assert {k for k, e in warmed["entries"].items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
+    hopper = [e for (uri, arch), e in warmed["entries"].items() if "/wgmma/" in uri]
+    assert hopper and all(e.arch == "sm_90a" for e in hopper)
+    # one block per multiprocessor: every thread's registers fit the 64K register file
+    assert all(e.meta["registers"] * KernelSpec.from_dict(e.meta["spec"]).threads <= 65536 for e in hopper)
+
+
+def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    seen = set()
+    for (uri, arch), e in sorted(warmed["entries"].items()):
+        if e.meta["family"] != "matmul":
+            continue
+        path = tmp_path / f"{e.key}.cubin"
+        path.write_bytes(e.cubin)
+        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+        assert " STL" not in sass and " LDL" not in sass, f"{uri} [{arch}] uses local memory"
+        fields = e.meta["spec"]["fields"]
+        if fields["kernel"] == "wgmma":
+            want = "QGMMA" if fields["a_dtype"].startswith("float8") else "HGMMA"
+            assert want in sass and "UTMALDG" in sass, f"{uri}: no {want} / TMA load"
+            seen.add(want)
+        elif fields["kernel"] == "mma":
+            assert "HMMA" in sass and ("LDSM" in sass or fields["precision"] == "tf32"), uri
+    assert seen == {"HGMMA", "QGMMA"}
