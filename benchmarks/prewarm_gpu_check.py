@@ -50,6 +50,19 @@ def gpu_test_graphs(arch):
         yield g, "all"
 
 
+def matmul_specs():
+    """Every kernel tests/test_gpu_matmul.py and benchmarks/bench_matmul.py launch (deviceless plans)."""
+    from tests import test_gpu_matmul as t
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_matmul
+    plans = [t.case_plans(c) for c in t.CASES + t.BIG]
+    plans += [t.case_plans(c, tile=tile) for c in t.TILE_CASES for tile in t.tile_plans(c)]
+    for _, dtype, size, epilogue, precision in bench_matmul.CASES:
+        base, tiles, _ = bench_matmul.plans(dtype, size, epilogue, precision)
+        plans += [base, *tiles]
+    return list(dict.fromkeys(launch.spec for plan in plans for launch in plan.launches))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90")
@@ -67,6 +80,7 @@ def main():
         g.validate().build_operation_graph().create_execution_plans().check_support()
         jobs += [(spec, args.arch) for i, specs in enumerate(g.candidates)
                  for spec in (specs if policy == "all" else [specs[g.chosen[i]]])]
+    jobs += [(spec, args.arch) for spec in matmul_specs()]
     report = warm.warm(jobs, cache)
     print(f"{cache.folder}: compiled {len(report.compiled)}, cached {len(report.cached)}, "
           f"failed {len(report.failed)} in {report.seconds:.1f}s")
