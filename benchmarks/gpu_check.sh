@@ -22,11 +22,12 @@ for bench in ${BENCHES-pointwise graph norm reduce pool}; do  # BENCHES="" runs 
     | tee "$out/bench_$bench.log"
 done
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
-if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters for the GELU kernels
-  ncu --clock-control none --kernel-name nvdnn_pointwise --launch-skip 6 --launch-count 2 \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats \
-      python3 benchmarks/profile_gelu.py > "$out/ncu_gelu.txt" 2>&1
-  grep -E "nvdnn_pointwise|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall" "$out/ncu_gelu.txt" | head -40
+if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters of the kernels short of target
+  ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      python3 benchmarks/profile_kernels.py > "$out/ncu.txt" 2>&1
+  grep -E "nvdnn_|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Hit Rate|Duration" \
+      "$out/ncu.txt" | head -60
 fi
 # the device tool returns a handful of files: pack the logs, JSON and recording into one
 pack=$(mktemp -d)/gpu_check.tar.gz
