@@ -23,7 +23,7 @@ for bench in ${BENCHES-pointwise graph norm reduce pool}; do  # BENCHES="" runs 
 done
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
 if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters of the kernels short of target
-  ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 --launch-count 3 \
+  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       python3 benchmarks/profile_kernels.py > "$out/ncu.txt" 2>&1
   grep -E "nvdnn_|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Hit Rate|Duration" \
