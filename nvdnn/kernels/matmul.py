@@ -137,7 +137,7 @@ class MatmulSpec(KernelSpec):
     """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
     the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes)."""
     family = "matmul"
-    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m")
+    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
 
     kernel: str
     a_dtype: str
@@ -161,6 +161,7 @@ class MatmulSpec(KernelSpec):
     wm: int = 2                  # mma: warps along M; wgmma: consumer warpgroups (each bm / wm rows)
     wn: int = 4                  # mma: warps along N; wgmma, simt: 1
     group_m: int = 8             # wgmma: tile rows walked together by the persistent scheduler
+    cluster: int = 1             # wgmma: blocks of a cluster (2: M neighbours share B by TMA multicast)
 
     @property
     def template(self) -> str:
@@ -185,6 +186,7 @@ class MatmulSpec(KernelSpec):
         for name in ("bm", "bn"):
             one_of(getattr(self, name), TILE_MN, name)
         one_of(self.bk, TILE_K, "bk")
+        one_of(self.cluster, (1, 2) if self.kernel == "wgmma" else (1,), "cluster")
         for name, allowed in (("stages", (1, 2, 3, 4, 5, 6)), ("wm", (1, 2, 4, 8)), ("wn", (1, 2, 4, 8)),
                               ("group_m", (1, 2, 4, 8, 16)), ("vec", (0, 1, 2, 4, 8, 16))):
             one_of(getattr(self, name), allowed, name)
@@ -269,7 +271,7 @@ class MatmulSpec(KernelSpec):
     def uri(self) -> str:
         tile = f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.wm}x{self.wn}"
         if self.kernel == "wgmma":
-            tile += f"g{self.group_m}"
+            tile += f"g{self.group_m}" + (f"c{self.cluster}" if self.cluster > 1 else "")
         if self.kernel == "mma":
             tile += f"v{self.vec}"
         return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}x{_short(self.b_dtype)}.{self.b_major}"
@@ -293,7 +295,7 @@ class MatmulSpec(KernelSpec):
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
             "a_major": self.a_major, "b_major": self.b_major, "split": self.split,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
-            "group_m": self.group_m, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
+            "group_m": self.group_m, "cluster": self.cluster, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
             "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
                                f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
@@ -742,9 +744,10 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         maps = (TensorMapArg(1, spec.a_dtype, (k, m, batch if geo.a[2] else 1),
                              (a_sm * width, (geo.a[2] or m * a_sm) * width), (spec.bk, spec.bm, 1)),
                 TensorMapArg(2, spec.b_dtype, (k, n, batch if geo.b[2] else 1),
-                             (b_sn * width, (geo.b[2] or n * b_sn) * width), (spec.bk, spec.bn, 1)))
-        tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
-        grid = (max(1, min(sms, tiles)), 1, 1)
+                             (b_sn * width, (geo.b[2] or n * b_sn) * width), (spec.bk, spec.bn // spec.cluster, 1)))
+        c = spec.cluster
+        tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * batch   # tile groups of c blocks
+        grid = (c * max(1, min(sms // c, tiles)), 1, 1)
         args = maps + geometry_args + (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + epi_args
         launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
         return Plan(tuple(launches))
@@ -755,7 +758,8 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
 
 # -- autotuning and presets -------------------------------------------------------------------------
 
-WGMMA_TILES = ((128, 256, 4, 2), (128, 128, 5, 2), (256, 128, 4, 2), (128, 256, 3, 2), (128, 128, 4, 1))
+WGMMA_TILES = ((128, 256, 4, 2, 1), (128, 256, 4, 2, 2), (128, 128, 5, 2, 1), (128, 128, 5, 2, 2),
+               (256, 128, 4, 2, 1), (256, 128, 4, 2, 2), (128, 256, 3, 2, 1), (128, 128, 4, 1, 1))
 MMA_TILES = ((128, 128, 32, 4, 2, 4), (128, 128, 32, 3, 2, 4), (128, 256, 32, 3, 2, 4), (64, 64, 64, 4, 2, 2),
              (128, 64, 32, 4, 4, 2), (64, 128, 32, 4, 2, 2))
 MMA_TILES_TF32 = ((128, 128, 32, 3, 2, 4), (128, 128, 16, 4, 2, 4), (64, 64, 32, 3, 2, 2), (128, 64, 32, 3, 4, 2))
@@ -768,7 +772,7 @@ def candidates(spec) -> list:
         return [spec]
     out = [spec]
     if spec.kernel == "wgmma":
-        tiles = [dict(bm=bm, bn=bn, stages=s, wm=wm) for bm, bn, s, wm in WGMMA_TILES]
+        tiles = [dict(bm=bm, bn=bn, stages=s, wm=wm, cluster=c) for bm, bn, s, wm, c in WGMMA_TILES]
     elif spec.kernel == "mma":
         table = MMA_TILES_TF32 if spec.a_dtype == "float32" else MMA_TILES
         tiles = [dict(bm=bm, bn=bn, bk=bk, stages=s, wm=wm, wn=wn) for bm, bn, bk, s, wm, wn in table]
