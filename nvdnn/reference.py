@@ -319,11 +319,8 @@ def max_pool2d_backward(dy, x, kernel, stride=None, padding=0, dilation=1, ceil_
     _, idx = max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
     n, c, h, w = x.shape
     dx = np.zeros((n * c, h * w))
-    k, s, p, d, (oh, ow) = _pool_args(x.shape, kernel, stride, padding, dilation, ceil_mode)
-    taps = np.array([[len(_max_taps(i, k[0], s[0], p[0], d[0], h)) * len(_max_taps(j, k[1], s[1], p[1], d[1], w))
-                      for j in range(ow)] for i in range(oh)])
     planes, flat = np.repeat(np.arange(n * c), idx[0, 0].size), idx.reshape(-1)
-    inside = np.tile(taps.reshape(-1) > 0, n * c)  # a window with no tap inside the input routes nothing
+    inside = (flat >= 0) & (flat < h * w)  # a window with no tap inside the input routes nothing
     np.add.at(dx, (planes[inside], flat[inside]), dy.reshape(-1)[inside])
     return dx.reshape(x.shape)
 

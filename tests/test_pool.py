@@ -353,6 +353,17 @@ def test_plan_errors_name_the_argument(call, arg, words):
     assert info.value.arg == arg and words in str(info.value)
 
 
+def test_max_backward_refuses_windows_with_no_tap_inside_the_input():
+    # W = 1, kernel 2, dilation 2, padding 1: every window's W taps are -1 and 1
+    from nvdnn.errors import UnsupportedError
+    dy, idx = _x((1, 1, 7, 1)), _x((1, 1, 7, 1), "int64")
+    with pytest.raises(UnsupportedError) as info:
+        pool.plan_pool2d_backward("max", dy, (1, 1, 7, 1), 2, 1, 1, 2, ceil_mode=True, indices=idx)
+    assert info.value.arg == "dilation" and "output W 0 of max_pool2d has no tap" in str(info.value)
+    pool.plan_pool2d_backward("max", _x((1, 1, 7, 3)), (1, 1, 7, 3), 2, 1, 1, 2, ceil_mode=True,
+                              indices=_x((1, 1, 7, 3), "int64"))  # W = 3: the taps -1 and 1 reach w = 1
+
+
 def test_plan_dtype_errors():
     for call, arg in ((lambda: pool.plan_pool2d("max", _x((1, 1, 8, 8), "int32"), 2), "x"),
                       (lambda: pool.plan_pool2d("max", _x((1, 1, 8, 8)), 2, out_dtype="int64"), "out_dtype"),

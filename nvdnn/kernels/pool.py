@@ -6,10 +6,9 @@ max, argmax indices as the flat ``h * W + w`` within the plane (the first maximu
 NaN), avg's count_include_pad and divisor_override (avg takes no dilation). x is (N, C, H, W),
 read through its strides; its layout (``layout_of``) picks the kernel: NCHW folds one channel
 per thread, NHWC 16-byte vectors of channels. Every output (y, indices, dx) is packed in x's
-layout. A window with no tap inside the input (dilation past a one-pixel edge) gives -inf and
-passes no gradient (PyTorch routes it to an element outside the window). Backward is a gather
-(each dx pixel sums the windows that hold it): deterministic, no
-atomics. Forward outputs take a pointwise epilogue chain and their own data type.
+layout. A window with no tap inside the input (dilation past a one-pixel edge) gives -inf; max
+backward refuses such a geometry (PyTorch routes its gradient to an element outside the window).
+Backward is a gather (each dx pixel sums the windows that hold it): deterministic, no atomics. Forward outputs take a pointwise epilogue chain and their own data type.
 """
 from __future__ import annotations
 
@@ -344,6 +343,15 @@ def geometry(shape, kernel, stride=None, padding=0, dilation=1, ceil_mode=False,
     return Geometry(k, s, p, d, (n, c, out[0], out[1]))
 
 
+def _empty_window(size: int, k: int, s: int, p: int, d: int, out: int) -> int | None:
+    """The first output index along one axis whose window has no tap inside the input, or None."""
+    for o in range(out):
+        first = o * s - p
+        if not any(0 <= first + j * d < size for j in range(k)):
+            return o
+    return None
+
+
 def pool2d_output_shape(shape, kernel, stride=None, padding=0, dilation=1, ceil_mode=False) -> tuple:
     """(N, C, OH, OW) of max_pool2d / avg_pool2d on an (N, C, H, W) input."""
     return geometry(shape, kernel, stride, padding, dilation, ceil_mode).out_shape
@@ -535,6 +543,14 @@ def plan_pool2d_backward(kind: str, dy: Operand, input_shape, kernel, stride=Non
             want = tuple(input_shape)
         if tuple(extra.shape) != tuple(want):
             raise ValidationError(f"{source}: shape {tuple(extra.shape)} should be {tuple(want)}", arg=source)
+        for axis, size, kk, ss, pp, dd, o in zip("HW", input_shape[2:], geo.kernel, geo.stride, geo.padding,
+                                                 geo.dilation, geo.out_shape[2:]):
+            empty = _empty_window(int(size), kk, ss, pp, dd, o)
+            if empty is not None:  # its argmax is a placeholder outside the window (PyTorch's too)
+                raise UnsupportedError(
+                    f"dilation: output {axis} {empty} of max_pool2d has no tap inside the input ({axis} {size}, "
+                    f"kernel {kk}, stride {ss}, padding {pp}, dilation {dd}), so its gradient has nowhere to go; "
+                    "use a smaller dilation or padding", arg="dilation")
     elif indices is not None or x is not None:
         raise ValidationError("indices: avg_pool2d backward takes neither indices nor x",
                               arg="indices" if indices is not None else "x")
