@@ -78,7 +78,7 @@ def bench_reduction(name, opname, shape, axes, dtype, torch):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
-def bench_batch_norm(name, mode, shape, layout, dtype, torch):
+def bench_batch_norm(name, mode, shape, layout, dtype, torch, tile=None):
     import cupy
     item = dtypes.BY_NAME[dtype].itemsize
     n_elem = math.prod(shape)
@@ -97,7 +97,8 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
     x0 = operand(xs[0])
     vec = operand(mean)
     if mode == "inference":
-        plan = bn.plan_batch_norm_inference(x0, vec, vec, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1])
+        plan = bn.plan_batch_norm_inference(x0, vec, vec, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1],
+                                            tile=tile)
         extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
     elif mode == "training":
         plan = bn.plan_batch_norm_training(x0, vec, vec, vec, vec, eps=1e-5, momentum=0.1,
@@ -134,9 +135,27 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
+def bn_tile_sweep():
+    """Every tile candidate of the batch-norm target (fp16 NHWC inference + ReLU)."""
+    import cupy
+    shape = (32, 256, 56, 56)
+    x = operand(_nhwc(cupy, shape, "float16", 0))
+    vec = Operand("float32", (256,), (1,), 16)
+    base = bn.plan_batch_norm_inference(x, vec, vec, vec, vec, epilogue=[("relu", "")],
+                                        params=(0.0, math.inf)).launches[0].spec
+    rows = []
+    for tile in R.candidates(base):
+        row = bench_batch_norm("bn+relu NHWC fp16", "inference", shape, "NHWC", "float16", None, tile=tile)
+        rows.append({"tile": tile.uri.rsplit("/", 1)[1] + (" (heuristic)" if tile == base else ""),
+                     "us": row["nvdnn_us"], "TB/s": row["nvdnn_TB/s"]})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     args, torch, device, copy = start(parser)
+    sweep = bn_tile_sweep()
+    print(table(sweep, ["tile", "us", "TB/s"]))
     rows = []
     for dtype in ("float16", "bfloat16", "float32"):
         rows.append(bench_batch_norm("bn+relu inference NHWC 32x256x56x56", "inference", (32, 256, 56, 56), "NHWC",
@@ -159,7 +178,7 @@ def main():
     columns = ["workload", "dtype", "MB", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
                "speedup", "max_diff"]
     print(table(rows, columns))
-    write_json(args.json, device=device, copy_tbs=copy, rows=rows)
+    write_json(args.json, device=device, copy_tbs=copy, bn_tiles=sweep, rows=rows)
 
 
 if __name__ == "__main__":
