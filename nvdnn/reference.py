@@ -476,7 +476,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=1.0, residual=No
            activation=None, scale_a=1.0, scale_b=1.0, scale_out=None, return_amax=False):
     """y = chain(alpha * scale_a * scale_b * (a @ b) + bias + beta * residual), NumPy's matmul
     batching; bias per column (``bias_axis="col"``, N values) or per row ("row", M values);
-    ``activation`` a name of ``nvdnn.reference`` applied last (after ``epilogue``). With
+    ``activation`` a key of ``ACTIVATIONS`` applied last (after ``epilogue``). With
     ``return_amax``: also max |y| (before any ``scale_out``). ``scale_out``: y * scale_out, the
     value an fp8 output quantizes."""
     y = np.matmul(_f64(a), _f64(b)) * (float(alpha) * float(scale_a) * float(scale_b))
@@ -487,7 +487,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=1.0, residual=No
         y = y + float(beta) * _f64(residual)
     y = _chain(y, epilogue, params)
     if activation is not None:
-        y = globals()[activation](y)
+        y = ACTIVATIONS[activation](y)
     amax_value = float(np.max(np.abs(y))) if y.size else 0.0
     if scale_out is not None:
         y = y * float(scale_out)

@@ -48,6 +48,8 @@ def test_reference_epilogue_order():
     assert np.allclose(rows, a @ b + np.arange(5.0)[:, None])
     chained = ref.matmul(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
     assert np.allclose(chained, ref.gelu(a @ b) * 2.0)
+    for name in ("gelu_tanh", "silu", "relu", "gelu"):   # the functional API's activation names
+        assert np.allclose(ref.matmul(a, b, activation=name), ref.ACTIVATIONS[name](a @ b))
 
 
 # -- shapes, types, layouts ---------------------------------------------------------------------------
