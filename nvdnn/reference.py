@@ -478,8 +478,8 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=1.0, residual=No
     batching; bias per column (``bias_axis="col"``, N values) or per row ("row", M values);
     ``activation`` a key of ``ACTIVATIONS`` applied last (after ``epilogue``). With
     ``return_amax``: also max |y| (before any ``scale_out``). ``scale_out``: y * scale_out, the
-    value an fp8 output quantizes."""
-    y = np.matmul(_f64(a), _f64(b)) * (float(alpha) * float(scale_a) * float(scale_b))
+    value an fp8 output quantizes. ``b=None``: ``a`` is the product already (its epilogue only)."""
+    y = (np.matmul(_f64(a), _f64(b)) if b is not None else _f64(a)) * (float(alpha) * float(scale_a) * float(scale_b))
     if bias is not None:
         bias = _f64(bias).reshape(-1)
         y = y + (bias[:, None] if bias_axis == "row" else bias)
