@@ -84,7 +84,13 @@ def test_heuristic_kernels():
     assert (spec.kernel, spec.vec) == ("mma", 1)
     f32 = op("float32", (256, 256))
     assert _kernel(mm.plan_matmul(f32, f32, arch="sm_90")).kernel == "simt"
-    assert _kernel(mm.plan_matmul(f32, f32, precision="tf32", arch="sm_90")).precision == "tf32"
+    tf32 = _kernel(mm.plan_matmul(f32, weight("float32", 256, 256), precision="tf32", arch="sm_90"))
+    assert (tf32.kernel, tf32.precision, tf32.bk) == ("wgmma", "tf32", 32)
+    assert _kernel(mm.plan_matmul(f32, f32, precision="tf32", arch="sm_80")).kernel == "mma"
+    # many waves of tiles: pairs of blocks share B (a cluster of 2, an even persistent grid)
+    big = mm.plan_matmul(op("bfloat16", (8192, 8192)), weight("bfloat16", 8192, 8192), arch="sm_90", sms=132)
+    assert big.launches[0].spec.cluster == 2 and big.launches[0].grid[0] == 132
+    assert [a.box for a in big.launches[0].args if isinstance(a, mm.TensorMapArg)] == [(64, 128, 1), (64, 128, 1)]
     strided = op("float16", (64, 64), (128, 2))
     assert _kernel(mm.plan_matmul(strided, op("float16", (64, 64)), arch="sm_90")).kernel == "simt"
     # a misaligned address refuses the tensor map
