@@ -211,3 +211,26 @@ def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
         elif fields["kernel"] == "mma":
             assert "HMMA" in sass and ("LDSM" in sass or fields["precision"] == "tf32"), uri
     assert seen == {"HGMMA", "QGMMA"}
+
+
+def test_graph_takes_fp8_operands_with_their_scales():
+    import ml_dtypes
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+    x = g.tensor(dims=[128, 64], data_type="float8_e4m3", name="x")
+    w = g.tensor(dims=[64, 96], strides=[1, 64], data_type="float8_e4m3", name="w")
+    sa, sb = (g.tensor(dims=[1], data_type="float32", name=n) for n in ("sa", "sb"))
+    y = g.relu(g.matmul(x, w, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    g.validate().build_operation_graph().create_execution_plans()
+    spec = g.candidates[0][0]
+    assert (spec.kernel, spec.a_dtype, spec.scaled, spec.out_dtype) == ("wgmma", "float8_e4m3", True, "bfloat16")
+    xs = RNG.uniform(-2, 2, (128, 64)).astype(ml_dtypes.float8_e4m3fn)
+    ws = RNG.uniform(-2, 2, (64, 96)).astype(ml_dtypes.float8_e4m3fn)
+    out = np.empty((128, 96), np.float32)
+    g.execute({"x": xs.view(np.uint8), "w": ws.view(np.uint8), "sa": np.float32([0.5]), "sb": np.float32([3.0]),
+               "y": out}, backend="numpy")
+    assert np.allclose(out, np.maximum(1.5 * (xs.astype(np.float64) @ ws.astype(np.float64)), 0), rtol=1e-6)
+    bad = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+    bx = bad.tensor(dims=[128, 64], data_type="float8_e4m3", name="x")
+    bad.matmul(bx, bad.tensor(dims=[64, 96], data_type="float8_e4m3", name="w"), name="y").set_output(True)
+    with pytest.raises(ValidationError, match="scale_a: fp8 needs"):
+        bad.validate().build_operation_graph().create_execution_plans()

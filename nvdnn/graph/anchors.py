@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
+
 from ..errors import ValidationError
 
 
@@ -36,6 +38,7 @@ class AnchorOp:
     residual: str | None = None             # input role an add feeding "x" folds into
     epilogue: bool = True                   # the main output takes a fused pointwise epilogue
     tiles: bool = True                      # the plan takes a tile: candidates for autotuning
+    data_types: tuple = ()                  # types beyond the pointwise ones its tensors take (fp8)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -312,13 +315,32 @@ from ..kernels import matmul  # noqa: E402
 
 _MATMUL_ATTRS = (("bias_axis", "col"), ("alpha", 1.0), ("beta", 1.0), ("precision", "exact"))
 
+
+def _matmul_plan(a, o, e):
+    """fp8 operands need their descale factors, an fp8 output its scale (one-element float32)."""
+    need = (("scale_a", "scale_b") if o["a"].dtype in matmul.FP8 else ()) + (
+        ("scale_out",) if e.out_dtype in matmul.FP8 else ())
+    for role in need:
+        if role not in o:
+            raise ValidationError(f"{role}: fp8 needs the one-element float32 scale tensor '{role}' "
+                                  "(scale_a / scale_b for fp8 inputs, scale_out for an fp8 output)", arg=role)
+    return matmul.plan_matmul(o["a"], o["b"], bias=o.get("bias"), bias_axis=a["bias_axis"], residual=o.get("residual"),
+                              alpha=a["alpha"], beta=a["beta"], epilogue=e.steps, params=e.params,
+                              out_dtype=e.out_dtype, out_align=e.out_align, precision=a["precision"], arch=e.arch,
+                              tile=e.tile)
+
+
+def _scale(v, role):
+    return float(np.asarray(v[role]).reshape(-1)[0]) if role in v else 1.0
+
+
 register(
-    AnchorOp("matmul", "matmul", ("a", "b", "bias?", "residual?"), ("y",), _MATMUL_ATTRS,
-             lambda a, m: [_packed(matmul.output_shape(m["a"].dims, m["b"].dims))],
-             lambda a, o, e: matmul.plan_matmul(
-                 o["a"], o["b"], bias=o.get("bias"), bias_axis=a["bias_axis"], residual=o.get("residual"),
-                 alpha=a["alpha"], beta=a["beta"], epilogue=e.steps, params=e.params, out_dtype=e.out_dtype,
-                 out_align=e.out_align, precision=a["precision"], arch=e.arch, tile=e.tile),
+    AnchorOp("matmul", "matmul", ("a", "b", "bias?", "residual?", "scale_a?", "scale_b?", "scale_out?"), ("y",),
+             _MATMUL_ATTRS,
+             lambda a, m: [_packed(matmul.output_shape(m["a"].dims, m["b"].dims))], _matmul_plan,
              lambda a, v: (ref.matmul(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
-                                      beta=a["beta"], residual=v.get("residual")),)),
+                                      beta=a["beta"], residual=v.get("residual"), scale_a=_scale(v, "scale_a"),
+                                      scale_b=_scale(v, "scale_b"),
+                                      scale_out=_scale(v, "scale_out") if "scale_out" in v else None),),
+             data_types=matmul.FP8),
 )

@@ -283,10 +283,11 @@ class Graph:
         if not self.nodes:
             raise ValidationError(f"graph '{self.name}': has no operations", arg="graph")
         for node in self.nodes:
+            allowed = pointwise.DTYPES + (ANCHORS[node.op].data_types if node.op in ANCHORS else ())
             for t in (*node.inputs, *node.outputs):
-                if t.data_type not in pointwise.DTYPES:
+                if t.data_type not in allowed:
                     raise DTypeError(f"node '{node.name}' ({node.op}): tensor '{t.name}' is {t.data_type}; "
-                                     f"its kernels take {', '.join(pointwise.DTYPES)}", arg=t.name)
+                                     f"its kernels take {', '.join(allowed)}", arg=t.name)
         outputs = [t for n in self.nodes for t in n.outputs if not t.is_virtual]
         if not outputs:
             raise ValidationError(f"graph '{self.name}': no output; mark one with set_output(True)", arg="outputs")
@@ -489,7 +490,7 @@ class Graph:
             if a.data.device_id != device:
                 raise DeviceError(f"tensor '{t.name}': array is on device {a.data.device_id}, the current device "
                                   f"is {device}", arg=t.name)
-            if dtypes.of_array(a, arg=t.name).name != t.data_type:
+            if not _holds(a, t.data_type):
                 raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
             if a.ndim != len(t.dims):
                 raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
@@ -684,7 +685,7 @@ class Graph:
             if t.uid not in values and t.uid not in targets:
                 raise ValidationError(f"variant_pack: no array for tensor '{t.name}'", arg=t.name)
         for node in self.nodes:
-            args = [np.asarray(values[t.uid], dtype=np.float64) for t in node.inputs]
+            args = [_float64(values[t.uid], t.data_type) for t in node.inputs]
             if node.op in ANCHORS:
                 results = ANCHORS[node.op].reference(dict(node.attrs), dict(zip(node.roles, args)))
                 values.update((t.uid, np.asarray(r)) for t, r in zip(node.outputs, results))
@@ -695,7 +696,11 @@ class Graph:
                 raise ValidationError(f"tensor '{self.tensors[uid].name}': array shape {target.shape} should be "
                                       f"{values[uid].shape}, what its node makes of its inputs",
                                       arg=self.tensors[uid].name)
-            target[...] = values[uid].astype(target.dtype)
+            kind = dtypes.BY_NAME[self.tensors[uid].data_type]
+            if target.dtype == np.uint8 and kind.storage_name == "numpy.uint8":  # fp8: quantized bytes
+                target[...] = values[uid].astype(kind.host).view(np.uint8)
+            else:
+                target[...] = values[uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
     def serialize(self) -> bytes:
@@ -772,6 +777,20 @@ def _anchor_method(op: str):
 for _op in ANCHORS:
     setattr(Graph, _op, _anchor_method(_op))
 del _op
+
+
+def _holds(array, data_type: str) -> bool:
+    """Whether ``array`` holds ``data_type``: its own type, or uint8 bytes of a declared fp8 type."""
+    if array.dtype == np.uint8:
+        return dtypes.BY_NAME[data_type].storage_name == "numpy.uint8"
+    return dtypes.of_array(array, arg="array").name == data_type
+
+
+def _float64(value, data_type: str) -> np.ndarray:
+    """A NumPy array's values in float64; uint8 arrays of fp8 tensors are decoded (ml_dtypes)."""
+    if value.dtype == np.uint8 and dtypes.BY_NAME[data_type].storage_name == "numpy.uint8":
+        value = value.view(dtypes.BY_NAME[data_type].host)
+    return np.asarray(value, dtype=np.float64)
 
 
 def _run_group(run: _GroupRun, bound, stream=None) -> None:
