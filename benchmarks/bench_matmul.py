@@ -101,6 +101,16 @@ def _torch_fn(torch, name, dtype, t, x, w, precision):
     return lambda _: xt @ wt.t()
 
 
+def _torch_parts(torch, dtype, t, x, w):
+    import torch.nn.functional as F
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    xt = torch.as_tensor(np.asarray(x, dtype=np.float32), device="cuda").to(tdt)
+    wt = torch.as_tensor(np.asarray(w, dtype=np.float32), device="cuda").to(tdt)
+    bt = torch.as_tensor(t["bias"].get().astype(np.float32), device="cuda").to(tdt)
+    y = torch.addmm(bt, xt, wt.t())
+    return (lambda _: torch.addmm(bt, xt, wt.t())), (lambda _: F.gelu(y))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the reference workloads only, fewer iterations")
@@ -123,6 +133,10 @@ def main():
             try:
                 fn = _torch_fn(torch, name, dtype, t, x, w, precision)
                 torch_ms = time_ms(fn, iters=iters, trials=5)
+                if "gelu" in name:  # its two kernels apart: cuBLASLt's addmm (bias epilogue), then F.gelu
+                    parts = _torch_parts(torch, dtype, t, x, w)
+                    print(f"{name} {size}: torch addmm {time_ms(parts[0], iters=iters, trials=5):.3f} ms, "
+                          f"F.gelu {time_ms(parts[1], iters=iters, trials=5):.3f} ms, together {torch_ms:.3f} ms")
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"{name} {size}: PyTorch failed: {exc}")
         heuristic = [l.spec for l in base.launches if isinstance(l.spec, mm.MatmulSpec)][0]
