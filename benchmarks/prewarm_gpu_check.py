@@ -60,7 +60,11 @@ def matmul_specs():
     for _, dtype, size, epilogue, precision in bench_matmul.CASES:
         base, tiles, _ = bench_matmul.plans(dtype, size, epilogue, precision)
         plans += [base, *tiles]
-    return list(dict.fromkeys(launch.spec for plan in plans for launch in plan.launches))
+    specs = [launch.spec for plan in plans for launch in plan.launches]
+    for g in t.matmul_graphs("sm_90"):
+        g.validate().build_operation_graph().create_execution_plans().check_support()
+        specs += [spec for i, cands in enumerate(g.candidates) for spec in g._launch_specs(i, cands[g.chosen[i]])]
+    return list(dict.fromkeys(specs))
 
 
 def main():

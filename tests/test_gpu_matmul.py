@@ -341,3 +341,48 @@ def test_unsupported_requests_are_refused_with_a_reason():
         nvdnn.matmul(a, a)
     with pytest.raises(ValidationError, match="contracted dims"):
         nvdnn.matmul(cupy.zeros((4, 5), cupy.float16), cupy.zeros((6, 3), cupy.float16))
+
+
+def matmul_graphs(arch="sm_90"):
+    """Graphs of the graph test (deviceless builds: the pre-warm compiles their chosen kernels):
+    bf16 x @ w.T + b -> GELU -> * 0.5 (wgmma, fused epilogue), and fp8 with scales -> ReLU."""
+    import nvdnn
+    g = nvdnn.Graph(io_data_type="bfloat16", name="matmul_bias_gelu", arch=arch)
+    x, w = g.tensor(dims=[3, 1000, 1032], name="x"), g.tensor(dims=[1032, 1029], strides=[1, 1032], name="w")
+    b = g.tensor(dims=[1029], name="b")
+    g.scale(g.gelu(g.matmul(x, w, b)), 0.5, name="y").set_output(True)
+    f = nvdnn.Graph(io_data_type="bfloat16", name="matmul_fp8", arch=arch)
+    x8 = f.tensor(dims=[1000, 1024], data_type="float8_e4m3", name="x")
+    w8 = f.tensor(dims=[1024, 1029], strides=[1, 1024], data_type="float8_e4m3", name="w")
+    sa, sb = (f.tensor(dims=[1], data_type="float32", name=n) for n in ("sa", "sb"))
+    f.relu(f.matmul(x8, w8, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    return [g, f]
+
+
+def test_graph_execute_and_capture():
+    """The graph path launches the Hopper kernel with its tensor maps resolved at each launch."""
+    import cupy
+    import ml_dtypes
+    from nvdnn import reference as ref
+    g, f = matmul_graphs(arch=None)
+    g.build()
+    rng = np.random.default_rng(9)
+    x, x64 = _matrix(1000, 1032, "bfloat16", False, 3, rng)
+    w, w64 = _matrix(1032, 1029, "bfloat16", True, 0, rng)
+    b, b64 = _matrix(1, 1029, "bfloat16", False, 0, rng)
+    y = cupy.full((3, 1000, 1029), np.nan, ml_dtypes.bfloat16)
+    g.execute({"x": x, "w": w, "b": b[0], "y": y})
+    want = ref.gelu(x64 @ w64 + b64[0]) * 0.5
+    compare(y.get().astype(np.float64), want, "bfloat16", f"graph [{g.candidates[0][g.chosen[0]].uri}]", 1032)
+    y.fill(np.nan)
+    g.capture({"x": x, "w": w, "b": b[0], "y": y}).replay()
+    cupy.cuda.Device().synchronize()
+    compare(y.get().astype(np.float64), want, "bfloat16", "graph capture replay", 1024)
+    f.build()
+    a8, a64 = _matrix(1000, 1024, "float8_e4m3", False, 0, rng, 2.0)
+    w8, w864 = _matrix(1024, 1029, "float8_e4m3", True, 0, rng, 2.0)
+    y8 = cupy.full((1000, 1029), np.nan, ml_dtypes.bfloat16)
+    f.execute({"x": a8, "w": w8, "sa": cupy.asarray([0.5], cupy.float32), "sb": cupy.asarray([3.0], cupy.float32),
+               "y": y8})
+    compare(y8.get().astype(np.float64), np.maximum(1.5 * (a64 @ w864), 0), "bfloat16",
+            f"fp8 graph [{f.candidates[0][f.chosen[0]].uri}]", 1024)
