@@ -120,10 +120,12 @@ def main():
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     rows, numbers = [], []
     iters = 10 if args.quick else 30
-    for name, dtype, size, epilogue, precision in CASES:
+    wanted = [c for c in args.cases.split(",") if c]
+    order = sorted(CASES, key=lambda c: wanted.index(c[0]) if c[0] in wanted else len(wanted))  # --cases order
+    for name, dtype, size, epilogue, precision in order:
         if args.quick and (name, size) not in QUICK:
             continue
-        if args.cases and name not in args.cases.split(","):
+        if wanted and name not in wanted:
             continue
         flops = 2.0 * size ** 3
         base, tiles, fp8 = plans(dtype, size, epilogue, precision, sms)
