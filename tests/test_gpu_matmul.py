@@ -58,6 +58,11 @@ def _cases():
                         epilogue="residual_silu", batch="a"))
         for m, n, k, epi in ((1000, 1029, 1032, "bias_gelu"), (7, 129, 4096, "residual_silu"), (4097, 1, 8, "plain")):
             out.append(dict(dtype="float32", precision=precision, m=m, n=n, k=k, a_major="k", b_major="k", epilogue=epi))
+    # column-major y (its M stride 1): the epilogue's scalar stores through the strides
+    for dt, k, epi in (("bfloat16", 1032, "bias_gelu"), ("float16", 1031, "residual_silu"), ("bfloat16", 1, "plain")):
+        out.append(dict(dtype=dt, m=1000, n=1029, k=k, a_major="k", b_major="k", epilogue=epi, out_major="m"))
+    out.append(dict(dtype="float8_e4m3", m=1000, n=1029, k=1024, a_major="k", b_major="k", epilogue="rowbias_relu",
+                    out="float8_e4m3", amax=True, out_major="m"))
     for a8, b8 in (("float8_e4m3", "float8_e4m3"), ("float8_e5m2", "float8_e4m3")):
         for m, n, k in ((1000, 1029, 1024), (129, 7, 4096), (1, 1000, 1040), (257, 129, 40), (7, 7, 1)):
             for out_dtype in ("bfloat16", "float8_e4m3"):
@@ -143,8 +148,11 @@ def build(case, rng):
     kind = out_dtype or ("bfloat16" if fp8 else dt)
     shape = lead + (m, n)
     from nvdnn import dtypes
-    out = cupy.full(shape, 0xFF, np.uint8) if kind.startswith("float8") else cupy.full(shape, np.nan,
-                                                                                      dtypes.BY_NAME[kind].np)
+    stored = lead + (n, m) if c.get("out_major") == "m" else shape
+    out = cupy.full(stored, 0xFF, np.uint8) if kind.startswith("float8") else cupy.full(stored, np.nan,
+                                                                                       dtypes.BY_NAME[kind].np)
+    if c.get("out_major") == "m":
+        out = out.swapaxes(-1, -2)
     if kind.startswith("float8"):
         kw["dtype"] = kind
     elif out_dtype:
