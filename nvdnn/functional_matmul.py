@@ -11,13 +11,36 @@ import numpy as np
 from . import arrays, dtypes, launcher
 from .errors import DTypeError, ValidationError
 from .functional import _signature
-from .functional_anchors import _activation, _empty
+from .functional_anchors import _activation
 from .graph.ops import SCHEMAS
 from .kernels import matmul as family
 from .kernels.pointwise import Operand
 
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
+_ONES: dict = {}  # device -> a float32 one: the default fp8 scale, kept alive across launches
+
+
+def _one(cp, device: int):
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = cp.ones(1, cp.float32)
+    return one
+
+
+def _check_out(out, kind: str, xs: dict) -> None:
+    """``out`` holds the kernel's output type (fp8: uint8 bytes) and shares no memory with the
+    operands the kernel reads while it writes (the residual may be ``out`` itself)."""
+    cp = arrays.cupy()
+    want = np.dtype(np.uint8) if kind in family.FP8 else np.dtype(dtypes.BY_NAME[kind].np)
+    if out.dtype != want:
+        hint = " (uint8 holds fp8 bytes: pass dtype='float8_e4m3' or 'float8_e5m2')" if out.dtype == np.uint8 else ""
+        raise DTypeError(f"out: data type {out.dtype} does not hold the {kind} output{hint}", arg="out")
+    for role, x in xs.items():
+        same = role == "residual" and x.data.ptr == out.data.ptr and x.strides == out.strides
+        if not same and cp.may_share_memory(out, x):
+            raise ValidationError(f"out: shares memory with {role}, which the kernel still reads while it writes",
+                                  arg="out")
 
 
 def _declared(x, declared, name: str) -> str:
@@ -80,8 +103,9 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     fp8 = kinds["a"] in family.FP8
     scales = {"scale_a": _scalar(scale_a, "scale_a"), "scale_b": _scalar(scale_b, "scale_b"),
               "scale_out": _scalar(scale_out, "scale_out"), "amax": _scalar(amax, "amax")}
+    device = cp.cuda.runtime.getDevice()
     if fp8 and (scales["scale_a"] is None or scales["scale_b"] is None):
-        one = cp.ones(1, cp.float32)
+        one = _one(cp, device)
         scales["scale_a"] = scales["scale_a"] if scales["scale_a"] is not None else one
         scales["scale_b"] = scales["scale_b"] if scales["scale_b"] is not None else one
     if not fp8 and (scale_a is not None or scale_b is not None):
@@ -89,7 +113,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     out_kind = dtypes.dtype(dtype, arg="dtype").name if dtype is not None else (
         _declared(out, None, "out") if out is not None and out.dtype != np.uint8 else None)
     if out_kind in family.FP8 and scales["scale_out"] is None:
-        scales["scale_out"] = cp.ones(1, cp.float32)
+        scales["scale_out"] = _one(cp, device)
     if out_kind not in family.FP8 and scale_out is not None:
         raise ValidationError("scale_out: the output scale goes with an fp8 dtype", arg="scale_out")
     act = _activation(activation, activation_params)
@@ -97,8 +121,10 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     params = () if act is None else tuple(act[1])
     if beta is None:
         beta = 1.0
-    device = cp.cuda.runtime.getDevice()
     out_dev = None if out is None else (out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0])
+    kind = out_kind or ("bfloat16" if fp8 else kinds["a"])
+    if out_dev is not None:
+        _check_out(out_dev, kind, xs)
     key = (device, tuple((r, kinds[r], _signature(x)) for r, x in xs.items()), out_kind, bias_axis, float(alpha),
            float(beta), precision, steps, params, amax is not None, split_k,
            None if out_dev is None else _signature(out_dev))
@@ -126,12 +152,14 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     shape = family.output_shape(xs["a"].shape, xs["b"].shape)
-    kind = out_kind or ("bfloat16" if fp8 else kinds["a"])
     y = out_dev if out_dev is not None else cp.empty(shape, dtypes.BY_NAME[kind].np if kind not in family.FP8
                                                      else np.uint8)
     tensors = {**xs, "y": y, **{r: v for r, v in scales.items() if v is not None}}
     if math.prod(shape):
         launcher.run(plan, tensors, stream=stream)
+    elif scales["amax"] is not None:  # no output element: its max |y| is 0
+        with (stream if stream is not None else cp.cuda.get_current_stream()):
+            scales["amax"].fill(0)
     if out is not None and out_dev is not out:
         if isinstance(out, np.ndarray):
             out[...] = y.get()

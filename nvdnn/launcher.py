@@ -2,6 +2,8 @@
 place the scratch buffers, launch in order on one stream. No host synchronization."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import arrays, compiler, runtime
@@ -53,7 +55,10 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
     device = cp.cuda.runtime.getDevice() if device is None else device
     offsets, size = scratch_layout(plan)
     if size and workspace is None:
-        workspace = cp.empty(size, dtype=cp.uint8)
+        # allocated on the launch stream: CuPy's pool hands a freed block out again only to work
+        # ordered after it on that stream, so the launches below still own it when this returns
+        with stream if stream is not None else contextlib.nullcontext():
+            workspace = cp.empty(size, dtype=cp.uint8)
     if size and workspace.nbytes < size:
         raise ValidationError(f"workspace: the plan needs {size} bytes, got {workspace.nbytes}", arg="workspace")
     for launch, fn in zip(plan.launches, functions(plan, device)):

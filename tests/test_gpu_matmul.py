@@ -394,3 +394,32 @@ def test_graph_execute_and_capture():
                "y": y8})
     compare(y8.get().astype(np.float64), np.maximum(1.5 * (a64 @ w864), 0), "bfloat16",
             f"fp8 graph [{f.candidates[0][f.chosen[0]].uri}]", 1024)
+
+
+def test_out_must_hold_the_output_type_and_not_overlap_the_inputs():
+    import cupy
+
+    import nvdnn
+    from nvdnn.errors import DTypeError, ValidationError
+    a = cupy.random.standard_normal((64, 64), dtype=cupy.float32).astype(cupy.float16)
+    b = cupy.random.standard_normal((64, 64), dtype=cupy.float32).astype(cupy.float16)
+    with pytest.raises(DTypeError, match="uint8 holds fp8 bytes"):
+        nvdnn.matmul(a, b, out=cupy.empty((64, 64), cupy.uint8))
+    with pytest.raises(DTypeError) as info:
+        nvdnn.matmul(a, b, dtype="float32", out=cupy.empty((64, 64), cupy.float16))
+    assert info.value.arg == "out"
+    with pytest.raises(ValidationError, match="shares memory with a"):
+        nvdnn.matmul(a, b, out=a)
+    r = cupy.random.standard_normal((64, 64), dtype=cupy.float32).astype(cupy.float16)
+    want = a.astype(cupy.float64) @ b.astype(cupy.float64) + r.astype(cupy.float64)
+    nvdnn.matmul(a, b, residual=r, out=r)  # in place on the residual: each element read, then written
+    assert float(cupy.abs(r.astype(cupy.float64) - want).max()) < 0.1
+
+
+def test_an_empty_product_sets_amax_to_zero():
+    import cupy
+
+    import nvdnn
+    amax = cupy.full(1, 7.0, cupy.float32)
+    y = nvdnn.matmul(cupy.ones((0, 8), cupy.float16), cupy.ones((8, 4), cupy.float16), amax=amax)
+    assert y.shape == (0, 4) and float(amax[0]) == 0.0

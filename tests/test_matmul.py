@@ -234,3 +234,37 @@ def test_graph_takes_fp8_operands_with_their_scales():
     bad.matmul(bx, bad.tensor(dims=[64, 96], data_type="float8_e4m3", name="w"), name="y").set_output(True)
     with pytest.raises(ValidationError, match="scale_a: fp8 needs"):
         bad.validate().build_operation_graph().create_execution_plans()
+
+
+# -- requests the kernels cannot take are refused on the host ---------------------------------------
+
+def test_grids_past_cuda_limits_are_refused():
+    with pytest.raises(UnsupportedError, match="65535"):
+        mm.plan_matmul(op("float16", (70000, 8, 8)), op("float16", (70000, 8, 8)), arch="sm_80")
+    mm.plan_matmul(op("float16", (65535, 8, 8)), op("float16", (65535, 8, 8)), arch="sm_80")
+
+
+def test_sizes_past_int32_are_refused():
+    with pytest.raises(UnsupportedError, match="M: 2147483648"):
+        mm.plan_matmul(op("float32", (1 << 31, 1)), op("float32", (1, 1)))
+
+
+def test_an_output_that_overlaps_itself_is_refused():
+    with pytest.raises(ValidationError) as info:
+        mm.plan_matmul(op("float16", (64, 64)), op("float16", (64, 64)), out_strides=(0, 1), arch="sm_80")
+    assert info.value.arg == "out"
+
+
+@pytest.mark.parametrize("strides", [(-64, 1), (0, 1)])
+def test_tensor_maps_need_positive_strides(strides):
+    # a reversed or broadcast A takes the mma.sync kernel, which handles any stride
+    plan = mm.plan_matmul(op("bfloat16", (64, 64), strides), op("bfloat16", (64, 64)), arch="sm_90")
+    assert all(launch.spec.kernel != "wgmma" for launch in plan.launches if hasattr(launch.spec, "kernel"))
+
+
+def test_wgmma_tiles_must_fit_the_accumulator_registers():
+    base = next(s for s in mm.preset() if getattr(s, "kernel", "") == "wgmma" and s.bm == 128 and s.wm == 2)
+    import dataclasses
+    with pytest.raises(ValidationError) as info:
+        dataclasses.replace(base, bm=128, wm=1, bn=256)
+    assert info.value.arg == "bn"

@@ -9,6 +9,7 @@ fold an ``add`` that feeds ``x`` into the kernel as a residual prologue.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -324,6 +325,10 @@ def _matmul_plan(a, o, e):
         if role not in o:
             raise ValidationError(f"{role}: fp8 needs the one-element float32 scale tensor '{role}' "
                                   "(scale_a / scale_b for fp8 inputs, scale_out for an fp8 output)", arg=role)
+    for role in ("scale_a", "scale_b", "scale_out"):
+        if role in o and (o[role].dtype != "float32" or math.prod(o[role].shape) != 1):
+            raise ValidationError(f"{role}: a scale is one float32 element, got {o[role].dtype} of shape "
+                                  f"{tuple(o[role].shape)}", arg=role)
     return matmul.plan_matmul(o["a"], o["b"], bias=o.get("bias"), bias_axis=a["bias_axis"], residual=o.get("residual"),
                               alpha=a["alpha"], beta=a["beta"], epilogue=e.steps, params=e.params,
                               out_dtype=e.out_dtype, out_align=e.out_align, precision=a["precision"], arch=e.arch,

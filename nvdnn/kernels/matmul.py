@@ -49,6 +49,7 @@ TILE_MN = (16, 32, 64, 128, 256)
 TILE_K = (8, 16, 32, 64, 128)
 SMEM_LIMIT = 227 * 1024                 # dynamic shared memory per block on sm_90 (sm_80: 163 KB)
 SMEM_LIMIT_SM80 = 163 * 1024
+INT32_MAX = 2 ** 31 - 1
 DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's size without a device
 _CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
           "float8_e4m3": "unsigned char", "float8_e5m2": "unsigned char"}
@@ -208,6 +209,9 @@ class MatmulSpec(KernelSpec):
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
+        if (self.bm // self.wm // 64) * self.bn // 2 > 128:  # fp32 accumulators a consumer thread holds
+            raise ValidationError(f"bn: {self.bm // self.wm} x {self.bn} rows a warpgroup need more than 128 "
+                                  "accumulator registers a thread", arg="bn")
         if self.split:
             raise ValidationError("split: split-K runs on the mma and simt kernels", arg="split")
 
@@ -601,6 +605,12 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         return Plan(())
     if k == 0:
         raise ValidationError("a: K is 0; a matmul needs K >= 1", arg="a")
+    for name, size in (("batch", batch), ("M", m), ("N", n), ("K", k)):
+        if size > INT32_MAX:  # the kernels take sizes as 32-bit ints (offsets are 64-bit)
+            raise UnsupportedError(f"{name}: {size} is more than 2^31 - 1")
+    for size, stride in zip(geo.out_shape, out_strides):
+        if size > 1 and stride == 0:  # y elements written twice: a race
+            raise ValidationError(f"out: stride 0 on a dim of size {size}; y must not overlap itself", arg="out")
     a_major, a_sm, a_sk = _major(geo.a[0], geo.a[1], m, k, "k", "m")
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
@@ -612,7 +622,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
 
 def _tma_ok(major, lead, width, align, rows_stride_b) -> bool:
     """A tensor map needs a K-major operand, a 16-byte aligned address and 16-byte strides."""
-    return major == "k" and align % 16 == 0 and (lead * width) % 16 == 0 and (rows_stride_b * width) % 16 == 0
+    return (major == "k" and align % 16 == 0 and lead > 0 and rows_stride_b >= 0
+            and (lead * width) % 16 == 0 and (rows_stride_b * width) % 16 == 0
+            and max(lead, rows_stride_b) * width < 2 ** 40)  # tensor map strides: positive, below 2^40
 
 
 def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile, split_k) -> MatmulSpec:
@@ -732,7 +744,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     if splits > 1:
         part = dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
                                    amax=False, scaled=False, split=True)
-        grid = (-(-n // spec.bn), -(-m // spec.bm), batch * splits)
+        grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
         part_args = geometry_args + (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
         launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"), part_args))
         reduce = MatmulReduceSpec(out_dtype=req.out_dtype, bias=req.bias, bias_dtype=req.bias_dtype,
@@ -755,9 +767,17 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         args = maps + geometry_args + (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + epi_args
         launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
         return Plan(tuple(launches))
-    grid = (-(-n // spec.bn), -(-m // spec.bm), batch)
+    grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch))
     launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, pointers, geometry_args + epi_args))
     return Plan(tuple(launches))
+
+
+def _checked_grid(grid: tuple) -> tuple:
+    """A (column tiles, row tiles, batch) grid within CUDA's limits of 65535 in y and z."""
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise UnsupportedError(f"matmul: {grid[1]} row tiles x {grid[2]} batch (and split) blocks pass CUDA's "
+                               "65535 in grid y or z on this kernel; split the batch or use a tile with more rows")
+    return grid
 
 
 # -- autotuning and presets -------------------------------------------------------------------------
