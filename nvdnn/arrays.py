@@ -35,6 +35,21 @@ def to_device(x, name: str):
                           f"object, got {type(x).__name__}", arg=name)
 
 
+def all_to_device(values: dict) -> tuple[dict, Callable | None]:
+    """``to_device`` on each non-None value of ``values`` (role -> array): the device arrays, and
+    how to hand a result back in the kind the first non-CuPy input was (None: all were CuPy)."""
+    cp = cupy()
+    out, back = {}, None
+    for role, value in values.items():
+        if value is None:
+            continue
+        if type(value) is not cp.ndarray:
+            value, ret = to_device(value, role)
+            back = back or ret
+        out[role] = value
+    return out, back
+
+
 def _bfloat16_view(y, source):
     """CuPy takes bfloat16 through DLPack and the CUDA array interface as 2-byte void."""
     if y.dtype.kind == "V" and y.dtype.itemsize == 2 and "bfloat16" in str(getattr(source, "dtype", "")):

@@ -82,14 +82,7 @@ def call(op: str, inputs: dict, attrs: dict | None = None, *, activation=None, a
     cp = arrays.cupy()
     attrs = {k: _hashable(v) for k, v in (attrs or {}).items()}
     act = _activation(activation, activation_params or {})
-    xs, back = {}, None
-    for role, value in inputs.items():
-        if value is None:
-            continue
-        if type(value) is not cp.ndarray:
-            value, ret = arrays.to_device(value, role)
-            back = back or ret
-        xs[role] = value
+    xs, back = arrays.all_to_device(inputs)
     out_dev = None if out is None else (out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0])
     device = cp.cuda.runtime.getDevice()
     dtype = None if dtype is None else dtypes.dtype(dtype, arg="dtype").name
@@ -171,17 +164,10 @@ def _batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, ep
     from .kernels.pointwise import Operand
     cp = arrays.cupy()
     given = {"x": x, "gamma": gamma, "beta": beta, "running_mean": running_mean, "running_var": running_var}
-    xs, back = {}, None
     for role, value in given.items():
-        if value is None:
-            continue
-        if type(value) is not cp.ndarray:
-            if isinstance(value, np.ndarray) and role.startswith("running"):
-                raise ValidationError(f"{role}: updated in place, so it must be a device array, not NumPy",
-                                      arg=role)
-            value, ret = arrays.to_device(value, role)
-            back = back or ret
-        xs[role] = value
+        if isinstance(value, np.ndarray) and role.startswith("running"):
+            raise ValidationError(f"{role}: updated in place, so it must be a device array, not NumPy", arg=role)
+    xs, back = arrays.all_to_device(given)
     act = _activation(activation, activation_params)
     steps = () if act is None else ((SCHEMAS[act[0]].kernel_op, ""),)
     params = () if act is None else act[1]

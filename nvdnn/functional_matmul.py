@@ -87,15 +87,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     ``amax``: a one-element float32 device array receiving max |y| before quantization.
     """
     cp = arrays.cupy()
-    given = {"a": a, "b": b, "bias": bias, "residual": residual}
-    xs, back = {}, None
-    for role, value in given.items():
-        if value is None:
-            continue
-        if type(value) is not cp.ndarray:
-            value, ret = arrays.to_device(value, role)
-            back = back or ret
-        xs[role] = value
+    xs, back = arrays.all_to_device({"a": a, "b": b, "bias": bias, "residual": residual})
     kinds = {"a": _declared(xs["a"], a_dtype, "a"), "b": _declared(xs["b"], b_dtype, "b")}
     for role in ("bias", "residual"):
         if role in xs:

@@ -17,6 +17,8 @@ from nvdnn.errors import CompileError, ValidationError
 from nvdnn.kernels import pointwise
 from nvdnn.warm import warm
 
+from .presets import warmed_preset
+
 ARCHS = ("sm_80", "sm_90")
 TINY_SOURCE = 'extern "C" __global__ void tiny(float* y) { y[threadIdx.x] = 1.0f; }\n'
 
@@ -28,9 +30,7 @@ def warmed(tmp_path_factory):
     """Every preset spec compiled for sm_80 and sm_90 into one cache folder, in parallel."""
     folder = tmp_path_factory.mktemp("preset-cache")
     jobs = [(spec, arch) for spec in pointwise.preset() for arch in ARCHS]
-    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
-    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
-    return {"folder": folder, "jobs": jobs, "report": report, "entries": entries}
+    return warmed_preset(folder, jobs)
 
 
 def test_preset_is_large_and_distinct():

@@ -6,7 +6,6 @@ QGMMA in the Hopper SASS, no local-memory traffic."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 
 import numpy as np
@@ -14,13 +13,12 @@ import pytest
 
 import nvdnn
 from nvdnn import reference as ref
-from nvdnn.cache import KernelCache
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import matmul as mm
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
-from nvdnn.warm import warm
 
+from .presets import warmed_preset
 from .test_compile import _cuobjdump
 
 RNG = np.random.default_rng(11)
@@ -174,9 +172,7 @@ def test_graph_fuses_bias_gelu_scale_into_the_epilogue():
 def warmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("matmul-cache")
     jobs = [(spec, arch) for spec in mm.preset() for arch in ("sm_80", "sm_90")]
-    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
-    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
-    return {"jobs": jobs, "report": report, "entries": entries}
+    return warmed_preset(folder, jobs)
 
 
 def test_every_preset_spec_compiles_without_spills(warmed):
@@ -219,7 +215,7 @@ def test_graph_takes_fp8_operands_with_their_scales():
     x = g.tensor(dims=[128, 64], data_type="float8_e4m3", name="x")
     w = g.tensor(dims=[64, 96], strides=[1, 64], data_type="float8_e4m3", name="w")
     sa, sb = (g.tensor(dims=[1], data_type="float32", name=n) for n in ("sa", "sb"))
-    y = g.relu(g.matmul(x, w, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    g.relu(g.matmul(x, w, scale_a=sa, scale_b=sb), name="y").set_output(True)
     g.validate().build_operation_graph().create_execution_plans()
     spec = g.candidates[0][0]
     assert (spec.kernel, spec.a_dtype, spec.scaled, spec.out_dtype) == ("wgmma", "float8_e4m3", True, "bfloat16")

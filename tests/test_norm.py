@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from nvdnn import reference as ref
-from nvdnn.cache import KernelCache
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import norm, tile_spec
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
-from nvdnn.warm import warm
 
+from .presets import warmed_preset
 from .test_compile import _cuobjdump
 
 ARCHS = ("sm_80", "sm_90")
@@ -418,9 +417,7 @@ def test_candidates_are_valid_tiles_that_fit():
 def warmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("norm-cache")
     jobs = [(s, a) for s in norm.preset() for a in ARCHS if norm.unsupported_reason(s, a) is None]
-    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
-    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
-    return {"jobs": jobs, "report": report, "entries": entries}
+    return warmed_preset(folder, jobs)
 
 
 def test_preset_covers_every_op_dtype_and_strategy():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import subprocess
 from fractions import Fraction
 
@@ -15,13 +14,12 @@ import pytest
 
 from nvdnn import codegen, compiler
 from nvdnn import reference as ref
-from nvdnn.cache import KernelCache
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import pool
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
-from nvdnn.warm import warm
 
+from .presets import warmed_preset
 from .test_compile import _cuobjdump
 
 ARCHS = ("sm_80", "sm_90")
@@ -415,9 +413,7 @@ def test_global_avg_plans_split_small_batches():
 def warmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pool-cache")
     jobs = [(spec, arch) for spec in pool.preset() for arch in ARCHS]
-    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
-    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
-    return {"jobs": jobs, "report": report, "entries": entries}
+    return warmed_preset(folder, jobs)
 
 
 def test_every_preset_spec_compiles_without_spills(warmed):

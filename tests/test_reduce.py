@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import subprocess
 from collections import defaultdict
 
@@ -13,14 +12,13 @@ import numpy as np
 import pytest
 
 from nvdnn import reference as ref
-from nvdnn.cache import KernelCache
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import batchnorm as bn
 from nvdnn.kernels import reduce as R
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
-from nvdnn.warm import warm
 
+from .presets import warmed_preset
 from .test_compile import _cuobjdump
 
 ARCHS = ("sm_80", "sm_90")
@@ -414,9 +412,7 @@ def test_affine_walks_cover_every_element_with_its_channel():
 def warmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reduce-cache")
     jobs = [(spec, arch) for spec in R.preset() for arch in ARCHS]
-    report = warm(jobs, KernelCache(folder), workers=os.cpu_count() or 1)
-    entries = {(e.uri, e.arch): e for _, e, _ in KernelCache(folder).entries() if e is not None}
-    return {"folder": folder, "jobs": jobs, "report": report, "entries": entries}
+    return warmed_preset(folder, jobs)
 
 
 def test_preset_is_broad_and_distinct():
