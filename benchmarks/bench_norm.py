@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, tile_row, time_ms, write_json  # noqa: E402
 
 from nvdnn import compiler, launcher  # noqa: E402
 from nvdnn.dtypes import BY_NAME, of_array  # noqa: E402
@@ -159,9 +159,7 @@ def bench(torch, dtype: str, label: str, rows: int, L: int, target: float, sweep
                 cplan = make(tile=cand)
                 cms = time_ms(Prepared(cplan, sets), len(sets), iters=20, trials=3)
                 tiles = " + ".join(lnch.spec.uri.split("/")[-1] for lnch in cplan.launches)
-                tuning.append({"workload": f"{name} {rows}x{L} {dtype}", "tile": tiles + (" (heuristic)" if
-                               cand == base else ""), "us": f"{cms * 1e3:.1f}",
-                               "TB/s": f"{moved / (cms * 1e-3) / 1e12:.2f}"})
+                tuning.append(tile_row(tiles, cand == base, cms, moved, workload=f"{name} {rows}x{L} {dtype}"))
     del xs, ys, dys, dxs, ops
     cupy.get_default_memory_pool().free_all_blocks()
     return rows_out, tuning

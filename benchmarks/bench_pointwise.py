@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (COPY_CEILING_TBS, host_us_per_call, sets_for, start, table, time_ms,  # noqa: E402
+from common import (COPY_CEILING_TBS, host_us_per_call, sets_for, start, table, tile_row, time_ms,  # noqa: E402
                     write_json)
 from compile_times import compile_and_disk_times, memory_hit_us  # noqa: E402
 
@@ -90,8 +90,7 @@ def tune_table(torch):
         moved = sum(a.nbytes for a in pack.values())
         report = g.autotune(pack)[0]
         for tile, ms in sorted(report["timings_ms"].items(), key=lambda kv: kv[1]):
-            rows.append({"workload": name, "tile": tile + (" (heuristic)" if tile == report["heuristic"] else ""),
-                         "us": f"{ms * 1e3:.1f}", "TB/s": f"{moved / (ms * 1e-3) / 1e12:.2f}"})
+            rows.append(tile_row(tile, tile == report["heuristic"], ms, moved, workload=name))
     return rows
 
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, tile_row, time_ms, write_json  # noqa: E402
 
 from nvdnn import dtypes, launcher  # noqa: E402
 from nvdnn.kernels import pool  # noqa: E402
@@ -130,9 +130,7 @@ def tile_sweep():
     for tile in pool.candidates(base):
         plan = pool.plan_pool2d("max", _operand(xs[0], "float16"), 3, 2, 1, tile=tile)
         ms = time_ms(lambda i: launcher.run(plan, {"y": ys[i], "x": xs[i]}), count)
-        rows.append({"tile": f"b{tile.block} m{tile.min_blocks} t{tile.th}x{tile.tw}"
-                     + (" (heuristic)" if tile == base else ""),
-                     "us": f"{ms * 1e3:.1f}", "TB/s": f"{_rate(moved, ms):.2f}"})
+        rows.append(tile_row(f"b{tile.block} m{tile.min_blocks} t{tile.th}x{tile.tw}", tile == base, ms, moved))
     xs.clear(), ys.clear()
     cupy.get_default_memory_pool().free_all_blocks()
     return rows

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, sets_for, start, table, time_ms, write_json  # noqa: E402
+from common import COPY_CEILING_TBS, sets_for, start, table, tile_row, time_ms, write_json  # noqa: E402
 
 from nvdnn import dtypes, launcher  # noqa: E402
 from nvdnn.kernels import batchnorm as bn  # noqa: E402
@@ -143,11 +143,11 @@ def bn_tile_sweep():
     vec = Operand("float32", (256,), (1,), 16)
     base = bn.plan_batch_norm_inference(x, vec, vec, vec, vec, epilogue=[("relu", "")],
                                         params=(0.0, math.inf)).launches[0].spec
+    moved = 2 * math.prod(shape) * 2  # fp16 x read, y written
     rows = []
     for tile in R.candidates(base):
         row = bench_batch_norm("bn+relu NHWC fp16", "inference", shape, "NHWC", "float16", None, tile=tile)
-        rows.append({"tile": tile.uri.rsplit("/", 1)[1] + (" (heuristic)" if tile == base else ""),
-                     "us": row["nvdnn_us"], "TB/s": row["nvdnn_TB/s"]})
+        rows.append(tile_row(tile.uri.rsplit("/", 1)[1], tile == base, float(row["nvdnn_us"]) * 1e-3, moved))
     return rows
 
 

@@ -46,6 +46,12 @@ def time_ms(fn, sets: int = 1, iters: int = 50, trials: int = 7, warmup: int = 5
     return statistics.median(samples)
 
 
+def tile_row(tile: str, heuristic: bool, ms: float, moved: int, **extra) -> dict:
+    """One row of a tile sweep: the tile's name (the heuristic's marked), its time and bandwidth."""
+    return {**extra, "tile": tile + (" (heuristic)" if heuristic else ""), "us": f"{ms * 1e3:.1f}",
+            "TB/s": f"{moved / (ms * 1e-3) / 1e12:.2f}"}
+
+
 def host_us_per_call(fn, calls: int = 20000) -> float:
     """Host time per call (µs) of a call the GPU keeps up with: tiny tensors, no sync inside."""
     import time
