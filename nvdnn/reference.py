@@ -452,7 +452,7 @@ def _chain(v, epilogue, params):
     """A fused pointwise epilogue ((op, rhs) steps of nvdnn.kernels.pointwise, scalars in order)."""
     from .kernels import pointwise
     slot = iter(params)
-    names = {"max": "maximum", "min": "minimum", "pow": "power", "gelu_tanh": "gelu"}
+    names = {"max": "maximum", "min": "minimum", "pow": "power"}
     for op, rhs in epilogue:
         schema = pointwise.OPS[op]
         if schema.arity == 1:

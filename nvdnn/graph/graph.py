@@ -697,7 +697,7 @@ class Graph:
                                       f"{values[uid].shape}, what its node makes of its inputs",
                                       arg=self.tensors[uid].name)
             kind = dtypes.BY_NAME[self.tensors[uid].data_type]
-            if target.dtype == np.uint8 and kind.storage_name == "numpy.uint8":  # fp8: quantized bytes
+            if _fp8_bytes(target, kind.name):  # quantized bytes
                 target[...] = values[uid].astype(kind.host).view(np.uint8)
             else:
                 target[...] = values[uid].astype(target.dtype)
@@ -779,16 +779,21 @@ for _op in ANCHORS:
 del _op
 
 
+def _fp8_bytes(array, data_type: str) -> bool:
+    """Whether ``array`` is the uint8 storage of a tensor of a type stored as bytes (fp8)."""
+    return array.dtype == np.uint8 and dtypes.BY_NAME[data_type].storage_name == "numpy.uint8"
+
+
 def _holds(array, data_type: str) -> bool:
     """Whether ``array`` holds ``data_type``: its own type, or uint8 bytes of a declared fp8 type."""
     if array.dtype == np.uint8:
-        return dtypes.BY_NAME[data_type].storage_name == "numpy.uint8"
+        return _fp8_bytes(array, data_type)
     return dtypes.of_array(array, arg="array").name == data_type
 
 
 def _float64(value, data_type: str) -> np.ndarray:
     """A NumPy array's values in float64; uint8 arrays of fp8 tensors are decoded (ml_dtypes)."""
-    if value.dtype == np.uint8 and dtypes.BY_NAME[data_type].storage_name == "numpy.uint8":
+    if _fp8_bytes(value, data_type):
         value = value.view(dtypes.BY_NAME[data_type].host)
     return np.asarray(value, dtype=np.float64)
 
