@@ -8,7 +8,8 @@ read through its strides; its layout (``layout_of``) picks the kernel: NCHW fold
 per thread, NHWC 16-byte vectors of channels. Every output (y, indices, dx) is packed in x's
 layout. A window with no tap inside the input (dilation past a one-pixel edge) gives -inf; max
 backward refuses such a geometry (PyTorch routes its gradient to an element outside the window).
-Backward is a gather (each dx pixel sums the windows that hold it): deterministic, no atomics. Forward outputs take a pointwise epilogue chain and their own data type.
+Backward is a gather (each dx pixel sums the windows that hold it): deterministic, no atomics.
+Forward outputs take a pointwise epilogue chain and their own data type.
 """
 from __future__ import annotations
 
