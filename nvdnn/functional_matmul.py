@@ -83,7 +83,9 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     type (default a's; bf16 for fp8 inputs). float32 inputs: ``precision="exact"`` (fp32 FMA)
     or ``"tf32"`` (tensor cores). fp8: uint8 arrays with ``a_dtype`` / ``b_dtype`` of
     "float8_e4m3" / "float8_e5m2", ``scale_a`` / ``scale_b`` one-element float32 device
-    descale factors; an fp8 ``dtype`` quantizes y * ``scale_out`` (saturating) into uint8.
+    descale factors; an fp8 ``dtype`` quantizes y * ``scale_out`` (saturating) into uint8. fp8
+    sums are float32 (``precision="exact"``), or the tensor core's faster, coarser ones over all
+    of K with ``precision="fast"`` (PyTorch's ``_scaled_mm(use_fast_accum=True)``).
     ``amax``: a one-element float32 device array receiving max |y| before quantization.
     """
     cp = arrays.cupy()

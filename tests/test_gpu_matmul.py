@@ -30,7 +30,8 @@ EPILOGUES = {  # name: (bias axis or None, activation, residual, alpha, beta, ou
 }
 # (rel to |ref|, rel to rms(ref)): fp32 accumulation, then the output's rounding
 TOL = {"float32": (1e-5, 2e-5), "tf32": (3e-3, 5e-3), "float16": (2e-3, 2e-3), "bfloat16": (1e-2, 8e-3),
-       "float8_e4m3": (7e-2, 4e-2), "float8_e5m2": (1.3e-1, 8e-2)}
+       "float8_e4m3": (7e-2, 4e-2), "float8_e5m2": (1.3e-1, 8e-2),
+       "fp8_fast": (1e-2, 2e-2)}  # fp8 inputs, tensor-core sums throughout (bf16 output): ~1% of rms seen at K = 4096
 
 
 def _cases():
@@ -250,7 +251,7 @@ def _tolerance_kind(case, kind):
     if kind.startswith("float8"):
         return kind
     if case["dtype"].startswith("float8"):
-        return "bfloat16"
+        return "fp8_fast" if case.get("precision") == "fast" else "bfloat16"
     return case["dtype"] if kind != "float32" else case["dtype"]
 
 
@@ -272,7 +273,9 @@ BIG = [dict(dtype="bfloat16", m=4096, n=4096, k=4096, a_major="k", b_major="k", 
        dict(dtype="float16", m=4096, n=4096, k=4096, a_major="k", b_major="n", epilogue="plain"),
        dict(dtype="bfloat16", m=8192, n=8192, k=8192, a_major="k", b_major="k", epilogue="plain"),
        dict(dtype="float8_e4m3", m=4096, n=4096, k=4096, a_major="k", b_major="k", epilogue="rowbias_relu",
-            out="bfloat16", amax=True)]
+            out="bfloat16", amax=True),
+       dict(dtype="float8_e4m3", m=4096, n=4096, k=4096, a_major="k", b_major="k", epilogue="rowbias_relu",
+            out="bfloat16", amax=True, precision="fast")]
 
 
 @pytest.mark.parametrize("case", BIG, ids=_name)

@@ -112,6 +112,26 @@ def test_fp8_on_hopper_and_refused_on_ampere():
     assert _kernel(odd).kernel == "simt"
 
 
+def test_fp8_sums_in_float32_unless_asked_for_fast_accumulation():
+    a8, w8 = op("float8_e4m3", (8192, 8192)), weight("float8_e4m3", 8192, 8192)
+    exact = _kernel(mm.plan_matmul(a8, w8, arch="sm_90"))
+    fast = _kernel(mm.plan_matmul(a8, w8, arch="sm_90", precision="fast"))
+    assert exact.promote and exact.bn <= 192 and not fast.promote
+    assert all(c.promote for c in mm.candidates(exact)) and not any(c.promote for c in mm.candidates(fast))
+    # a tile chosen elsewhere keeps the request's accuracy
+    assert _kernel(mm.plan_matmul(a8, w8, arch="sm_90", tile=fast)).promote
+    with pytest.raises(ValidationError, match="precision"):
+        mm.plan_matmul(op("bfloat16", (64, 64)), weight("bfloat16", 64, 64), precision="fast")
+    import dataclasses
+    with pytest.raises(ValidationError) as info:  # two accumulator sets of 128 columns each
+        dataclasses.replace(exact, bn=256)
+    assert info.value.arg == "bn"
+    with pytest.raises(ValidationError) as info:
+        dataclasses.replace(_kernel(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
+                                                   arch="sm_90")), promote=True)
+    assert info.value.arg == "promote"
+
+
 def test_split_k_for_skinny_shapes():
     plan = mm.plan_matmul(op("bfloat16", (64, 16384)), weight("bfloat16", 16384, 64), bias=op("bfloat16", (64,)),
                           epilogue=[("gelu", "")], arch="sm_90")

@@ -44,8 +44,11 @@ OUT_DTYPES = ("float32",) + HALF + FP8
 EPI_DTYPES = pointwise.DTYPES           # bias and residual
 BIAS = ("", "row", "col")               # row: one value per output row m; col: per column n
 PRECISIONS = ("exact", "tf32", "")
+ACCUMULATORS = {False: 128, True: 192}  # accumulator registers a wgmma consumer thread may hold
+PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloat16": ("exact",),
+                     "fp8": ("exact", "fast")}  # plan_matmul's precision, by input type
 A_MAJORS, B_MAJORS = ("k", "m", "any"), ("k", "n", "any")
-TILE_MN = (16, 32, 64, 128, 256)
+TILE_MN = (16, 32, 64, 128, 192, 256)
 TILE_K = (8, 16, 32, 64, 128)
 SMEM_LIMIT = 227 * 1024                 # dynamic shared memory per block on sm_90 (sm_80: 163 KB)
 SMEM_LIMIT_SM80 = 163 * 1024
@@ -138,7 +141,7 @@ class MatmulSpec(KernelSpec):
     """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
     the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes)."""
     family = "matmul"
-    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
+    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster", "promote")
 
     kernel: str
     a_dtype: str
@@ -163,6 +166,8 @@ class MatmulSpec(KernelSpec):
     wn: int = 4                  # mma: warps along N; wgmma, simt: 1
     group_m: int = 8             # wgmma: tile rows walked together by the persistent scheduler
     cluster: int = 1             # wgmma: blocks of a cluster (2: M neighbours share B by TMA multicast)
+    promote: bool = False        # wgmma fp8: drain the tensor-core sums into float32 after every K slice
+                                 # (False: fast accumulation, the tensor core's reduced precision throughout)
 
     @property
     def template(self) -> str:
@@ -202,20 +207,26 @@ class MatmulSpec(KernelSpec):
         one_of(self.b_major, ("k",), "b_major")
         one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
         one_of(self.bm, (64, 128, 256), "bm")
-        one_of(self.bn, (64, 128, 256), "bn")
+        one_of(self.bn, (64, 128, 192, 256), "bn")
         one_of(self.bk, (128 // width,), "bk")  # one 128-byte swizzle row of K per tile row
         one_of(self.wm, (1, 2), "wm")
         one_of(self.wn, (1,), "wn")
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
-        if (self.bm // self.wm // 64) * self.bn // 2 > 128:  # fp32 accumulators a consumer thread holds
-            raise ValidationError(f"bn: {self.bm // self.wm} x {self.bn} rows a warpgroup need more than 128 "
-                                  "accumulator registers a thread", arg="bn")
+        one_of(self.promote, (False, True) if self.a_dtype in FP8 else (False,), "promote")
+        # float32 accumulators a consumer thread holds: the tensor core's, and as many again to
+        # drain them into when promoting (the registers left cap both)
+        held = (self.bm // self.wm // 64) * self.bn // 2 * (2 if self.promote else 1)
+        if held > ACCUMULATORS[bool(self.promote)]:
+            raise ValidationError(f"bn: {self.bm // self.wm} x {self.bn} rows a warpgroup need {held} accumulator "
+                                  f"registers a thread{' (promoting)' if self.promote else ''}, more than "
+                                  f"{ACCUMULATORS[bool(self.promote)]}", arg="bn")
         if self.split:
             raise ValidationError("split: split-K runs on the mma and simt kernels", arg="split")
 
     def _validate_mma(self):
+        one_of(self.promote, (False,), "promote")
         if self.a_dtype in FP8:
             raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
         one_of(self.a_major, ("k", "m"), "a_major")
@@ -234,6 +245,7 @@ class MatmulSpec(KernelSpec):
             raise ValidationError("wm/wn: 1 to 8 warps", arg="wm")
 
     def _validate_simt(self):
+        one_of(self.promote, (False,), "promote")
         one_of(self.a_major, A_MAJORS, "a_major")
         one_of(self.b_major, B_MAJORS, "b_major")
         one_of(self.precision, ("exact",) if self.a_dtype == "float32" else ("",), "precision")
@@ -272,7 +284,8 @@ class MatmulSpec(KernelSpec):
     def uri(self) -> str:
         tile = f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.wm}x{self.wn}"
         if self.kernel == "wgmma":
-            tile += f"g{self.group_m}" + (f"c{self.cluster}" if self.cluster > 1 else "")
+            tile += (f"g{self.group_m}" + (f"c{self.cluster}" if self.cluster > 1 else "")
+                     + ("p" if self.promote else ""))
         if self.kernel == "mma":
             tile += f"v{self.vec}"
         return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}x{_short(self.b_dtype)}.{self.b_major}"
@@ -298,7 +311,7 @@ class MatmulSpec(KernelSpec):
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
             "a_major": self.a_major, "b_major": self.b_major, "split": self.split,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
-            "group_m": self.group_m, "cluster": self.cluster, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
+            "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
             "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
                                f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
@@ -554,7 +567,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     Pointers: "y" (``out_strides``, default packed row-major), "a", "b", then "bias" (1-D: M
     values with ``bias_axis="row"``, N with "col"), "residual" (broadcastable to y), "scale_a",
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
-    quantization, float32). ``precision`` for float32 inputs: "exact" (fp32 FMA) or "tf32".
+    quantization, float32). ``precision`` for float32 inputs: "exact" (fp32 FMA) or "tf32"; for fp8
+    inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 128 of K) or
+    "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges summed by a second launch (None: the heuristic decides)."""
     for name, op in (("a", a), ("b", b)):
         if op.dtype not in IN_DTYPES:
@@ -566,7 +581,10 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     out_dtype = out_dtype or ("bfloat16" if fp8 else a.dtype)
     if out_dtype not in OUT_DTYPES:
         raise DTypeError(f"dtype: output type {out_dtype} is not one of {', '.join(OUT_DTYPES)}", arg="dtype")
-    one_of(precision, ("exact", "tf32"), "precision")
+    allowed = PRECISION_CHOICES["fp8" if fp8 else a.dtype]
+    if precision not in allowed:
+        raise ValidationError(f"precision: {precision!r} is not one of {', '.join(allowed)} for {a.dtype} inputs",
+                              arg="precision")
     one_of(bias_axis, ("row", "col"), "bias_axis")
     epilogue = pointwise.check_epilogue(epilogue, params)
     geo, bstride = geometry(a, b, out_strides, residual)
@@ -639,6 +657,7 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                 tiles = {f: getattr(tile, f) for f in MatmulSpec.tile_fields}
                 if kernel == "mma":
                     tiles["vec"] = fields["vec"]
+                tiles["promote"] = fields.get("promote", False)  # the request's accuracy, not the tile's
                 try:
                     return MatmulSpec(kernel=kernel, **base, **{**fields, **tiles})
                 except ValidationError:
@@ -647,7 +666,7 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
     if kernel == "wgmma" and len(options) > 1 and options[1][0] == "mma" and (
             (split_k or 0) > 1 or (split_k is None and _skinny(geo))):
         kernel, fields = options[1]  # few output tiles over a long K: split-K on the mma kernel
-    return MatmulSpec(kernel=kernel, **base, **fields, **_heuristic_tile(kernel, req, geo, split_k))
+    return MatmulSpec(kernel=kernel, **base, **fields, **_heuristic_tile(kernel, req, geo, fields.get("promote", False)))
 
 
 def _skinny(geo: Geometry) -> bool:
@@ -664,7 +683,8 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     tensor_cores = req.a_dtype != "float32" or precision == "tf32"
     if tensor_cores and arch_n == 90 and _tma_ok(a_major, a_sm, width, a_align, geo.a[2]) \
             and _tma_ok(b_major, b_sn, width, b_align, geo.b[2]):
-        out.append(("wgmma", dict(a_major="k", b_major="k", precision="tf32" if width == 4 else "", vec=0)))
+        out.append(("wgmma", dict(a_major="k", b_major="k", precision="tf32" if width == 4 else "", vec=0,
+                                  promote=req.a_dtype in FP8 and precision == "exact")))
     if req.a_dtype in HALF or (req.a_dtype == "float32" and precision == "tf32"):
         if a_major != "any" and b_major != "any":
             a_lead, a_extent = (a_sm, geo.k) if a_major == "k" else (a_sk, geo.m)
@@ -679,11 +699,15 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     return out
 
 
-def _heuristic_tile(kernel, req, geo, split_k) -> dict:
+def _heuristic_tile(kernel, req, geo, promote) -> dict:
     if kernel == "wgmma":
         bk = 128 // _size(req.a_dtype)
         if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
             return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
+        if promote:  # two accumulator sets: 192 columns at most
+            tiles = -(-geo.m // 128) * -(-geo.n // 192) * geo.batch
+            return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8,
+                        cluster=2 if tiles >= 8 * DEFAULT_SMS else 1)
         # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3:
         # fp16 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69, fp8 1303
         # TFLOP/s against 1268; equal at 4096^3, where single blocks stay)
@@ -784,6 +808,7 @@ def _checked_grid(grid: tuple) -> tuple:
 
 WGMMA_TILES = ((128, 256, 4, 2, 1), (128, 256, 4, 2, 2), (128, 128, 5, 2, 1), (128, 128, 5, 2, 2),
                (256, 128, 4, 2, 1), (256, 128, 4, 2, 2), (128, 256, 3, 2, 1), (128, 128, 4, 1, 1))
+WGMMA_PROMOTE_TILES = ((128, 192, 5, 2), (128, 192, 5, 1), (128, 128, 6, 2), (128, 128, 6, 1))  # bm, bn, stages, cluster
 MMA_TILES = ((128, 128, 32, 4, 2, 4), (128, 128, 32, 3, 2, 4), (128, 256, 32, 3, 2, 4), (64, 64, 64, 4, 2, 2),
              (128, 64, 32, 4, 4, 2), (64, 128, 32, 4, 2, 2))
 MMA_TILES_TF32 = ((128, 128, 32, 3, 2, 4), (128, 128, 16, 4, 2, 4), (64, 64, 32, 3, 2, 2), (128, 64, 32, 3, 4, 2))
@@ -795,7 +820,9 @@ def candidates(spec) -> list:
     if not isinstance(spec, MatmulSpec):
         return [spec]
     out = [spec]
-    if spec.kernel == "wgmma":
+    if spec.kernel == "wgmma" and spec.promote:  # two accumulator sets: tiles of 192 columns at most
+        tiles = [dict(bm=bm, bn=bn, stages=s, wm=2, cluster=c) for bm, bn, s, c in WGMMA_PROMOTE_TILES]
+    elif spec.kernel == "wgmma":
         tiles = [dict(bm=bm, bn=bn, stages=s, wm=wm, cluster=c) for bm, bn, s, wm, c in WGMMA_TILES]
     elif spec.kernel == "mma":
         table = MMA_TILES_TF32 if spec.a_dtype == "float32" else MMA_TILES
@@ -875,4 +902,6 @@ def preset() -> list:
                         arch="sm_90"))
         add(plan_matmul(a8, w8, bias=bias, epilogue=[("relu", "")], params=(0.0, math.inf), amax=True,
                         out_dtype="float8_e4m3", arch="sm_90"))
+        add(plan_matmul(a8, w8, bias=bias, epilogue=[("relu", "")], params=(0.0, math.inf), amax=True,
+                        precision="fast", arch="sm_90"))
     return list(specs)
