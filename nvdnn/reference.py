@@ -54,7 +54,8 @@ def relu(x, negative_slope=0.0, clip=None):
 def gelu(x, approximate="none"):
     x = _f64(x)
     if approximate == "tanh":
-        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+        # 0.5 x (1 + tanh u) = x / (1 + e^(-2u)), with no cancellation in the negative tail
+        return x * np.exp(-np.logaddexp(0.0, -2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
     return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
 
 

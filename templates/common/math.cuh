@@ -41,9 +41,11 @@ __device__ __forceinline__ float op_gelu_fast(float x) {
   const float tail = p * t * exp2_approx(x * (x * -0.72134752044448170f));  // Phi(-|x|) = erfc(z) / 2
   return x * (x > 0.0f ? 1.0f - tail : tail);
 }
+// 0.5 x (1 + tanh u) as x / (1 + e^(-2u)): the same value, without the cancellation of
+// 1 + tanh u in the negative tail (float32 loses all digits there past x = -5).
 __device__ __forceinline__ float op_gelu_tanh(float x) {
-  const float k = 0.79788456080286536f;  // sqrt(2 / pi)
-  return 0.5f * x * (1.0f + tanhf(k * fmaf(0.044715f * x, x * x, x)));
+  const float k2 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  return x * __frcp_rn(1.0f + expf(-k2 * fmaf(0.044715f * x, x * x, x)));
 }
 // 1 / (1 + e^-x) with a correctly rounded reciprocal: within 1.5 ulp, without IEEE division's
 // slow path (a call per element).
