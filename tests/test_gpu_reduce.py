@@ -181,6 +181,50 @@ def test_batch_norm_inference(layout, dtype):
                    scale=1.0, acc=1e-5)
 
 
+# The affine pass's tiles at odd shapes: N = 1, C a multiple of 8, of 4, odd (fp16 vectors of 8,
+# 4, 1 channels), H and W odd, fewer rows than one tile, more than one grid-strided round.
+# (layout, dtype, shape, every streaming hint or only "none")
+TILE_CASES = [("NHWC", "float16", (4, 64, 33, 31), True), ("NHWC", "float16", (1, 24, 5, 3), False),
+              ("NHWC", "float16", (2, 7, 5, 5), False), ("NHWC", "float16", (5, 40), False),
+              ("NHWC", "bfloat16", (1, 256, 7, 7), False), ("NHWC", "bfloat16", (3, 12, 9, 7), True),
+              ("NCHW", "float16", (1, 3, 7, 7), False), ("NCHW", "bfloat16", (2, 16, 33, 5), False)]
+
+
+def _warm(specs) -> None:
+    """Compile kernels on every core before a test launches them one by one."""
+    import nvdnn
+    from nvdnn import compiler, warm
+    report = warm.warm([(spec, compiler.device_arch()) for spec in specs], nvdnn.default_cache())
+    assert report.failed == [], report.failed[:2]
+
+
+@pytest.mark.parametrize("layout,dtype,shape,hints", TILE_CASES)
+def test_batch_norm_inference_every_tile(layout, dtype, shape, hints):
+    """Every autotune candidate of the affine pass (loops, pipelining, streaming hints) against
+    float64, with parameters aligned for vector loads and 4 bytes off (scalar loads)."""
+    c = shape[1]
+    x, x64 = _tensor(shape, dtype, layout)
+    params = [_channels(c + 1, low=lo, high=hi) for lo, hi in ((-1, 1), (0.5, 2), (0.5, 2), (-1, 1))]
+    relu = {"epilogue": [("relu", "")], "params": (0.0, math.inf)}
+    cases = []
+    for offset in (0, 1):  # slices of 16-byte-aligned arrays at element 0, then at element 1
+        vectors = [(a[offset:offset + c], a64[offset:offset + c]) for a, a64 in params]
+        args = [operand(a) for a in (x, *(v for v, _ in vectors))]
+        base = bn.plan_batch_norm_inference(*args, eps=1e-3, **relu).launches[0].spec
+        assert base.cvec == (1 if offset or base.layout == "row" else min(base.vec, 4))
+        tiles = [t for t in bn.candidates(base) if hints or t.hints == "none"]
+        cases += [(vectors, args, tile) for tile in tiles]
+    _warm(tile for _, _, tile in cases)
+    for vectors, args, tile in cases:
+        (mean, m64), (var, v64), (gamma, g64), (beta, b64) = vectors
+        y = _like(x, dtype)
+        plan = bn.plan_batch_norm_inference(*args, eps=1e-3, out_align=operand(y).align, tile=tile, **relu)
+        assert plan.launches[0].spec == tile
+        _run(plan, {"y": y, "x": x, "mean": mean, "var": var, "gamma": gamma, "beta": beta})
+        _close(y, np.maximum(ref.batch_norm(x64, m64, v64, g64, b64, 1e-3), 0), dtype,
+               f"bn inference {layout} {shape} {tile.uri}", scale=1.0, acc=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_batch_norm_training_and_backward(layout, dtype):

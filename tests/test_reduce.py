@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import subprocess
 from collections import defaultdict
 
@@ -188,6 +189,16 @@ def test_other_specs_validate_and_round_trip():
         bn.AffineSpec(**{**affine, "steps": (("relu", ""),)})
     with pytest.raises(ValidationError, match="epilogue"):
         bn.AffineSpec(**{**affine, "backward": False, "steps": (("mul", "x1"),)})
+    stats = {**affine, "source": "stats", "backward": False}
+    assert bn.AffineSpec(**stats, cvec=4).cvec == 4
+    for bad, arg in ((dict(cvec=3), "cvec"), (dict(cvec=8), "cvec"), (dict(cvec=16), "cvec"),
+                     (dict(cvec=4, layout="row"), "cvec"), (dict(cvec=2, vec=1), "cvec"),
+                     (dict(hints="nc"), "hints"), (dict(pipeline=1), "pipeline")):
+        with pytest.raises(ValidationError) as info:
+            bn.AffineSpec(**{**stats, **bad})
+        assert info.value.arg == arg
+    with pytest.raises(ValidationError, match="cvec"):
+        bn.AffineSpec(**affine, cvec=2)
     for spec in R.preset()[::17]:
         assert KernelSpec.from_dict(spec.to_dict()) == spec
 
@@ -374,44 +385,63 @@ def test_channel_statistics_walks():
                     assert sorted(x for (k, s), v in first.items() if k == o for x in v) == want
 
 
+def _affine_walk(launch) -> dict:
+    """Python replica of the affine pass's loops: {element offset: [channels it was mapped with]}."""
+    spec, a = launch.spec, dict(zip(_names(launch.spec)[:-1], (int(v) for v in launch.args)))
+    seen = defaultdict(list)
+    gx, gy, _ = launch.grid
+    for bx, by, t in itertools.product(range(gx), range(gy), range(spec.block)):
+        if spec.layout == "row":
+            for u in range(spec.unroll):
+                v = by * spec.block * spec.unroll + u * spec.block + t
+                if v < a["lv"]:
+                    for j in range(spec.vec):
+                        seen[bx * a["lv"] * spec.vec + v * spec.vec + j].append(bx % a["pmod"])
+            continue
+        tx, ty, by_ = t % spec.bx, t // spec.bx, spec.block // spec.bx
+        c0 = (by * spec.bx + tx) * spec.vec
+        if c0 >= a["n_cols"]:
+            continue
+        stride = gx * by_ * spec.unroll if spec.strided else a["n_rows"]
+        for r0 in range(bx * by_ * spec.unroll, a["n_rows"], stride):
+            for u in range(spec.unroll):
+                r = r0 + u * by_ + ty
+                if r < a["n_rows"]:
+                    for j in range(spec.vec):
+                        seen[r * a["n_cols"] + c0 + j].append(c0 + j)
+    return seen
+
+
 def test_affine_walks_cover_every_element_with_its_channel():
-    for shape, layout in (((3, 8, 5, 7), "NCHW"), ((4, 24, 3, 3), "NHWC"), ((7, 12), "NHWC"), ((2, 5, 64), "NCHW")):
+    for shape, layout in (((3, 8, 5, 7), "NCHW"), ((4, 24, 3, 3), "NHWC"), ((7, 12), "NHWC"), ((2, 5, 64), "NCHW"),
+                          ((3, 16, 37, 29), "NHWC")):
         strides = dense(shape) if layout == "NCHW" else nhwc(shape)
         c = shape[1]
-        launch = bn.plan_batch_norm_inference(op(shape, "float16", strides), vec(c), vec(c)).launches[0]
-        spec, a = launch.spec, dict(zip(_names(launch.spec)[:-1], (int(v) for v in launch.args)))
-        seen = defaultdict(list)
-        gx, gy, _ = launch.grid
-        for bx, by, t in itertools.product(range(gx), range(gy), range(spec.block)):
-            if spec.layout == "row":
-                for u in range(spec.unroll):
-                    v = by * spec.block * spec.unroll + u * spec.block + t
-                    if v < a["lv"]:
-                        for j in range(spec.vec):
-                            seen[bx * a["lv"] * spec.vec + v * spec.vec + j].append(bx % a["pmod"])
-            else:
-                tx, ty, by_ = t % spec.bx, t // spec.bx, spec.block // spec.bx
-                c0 = (by * spec.bx + tx) * spec.vec
-                if c0 >= a["n_cols"]:
-                    continue
-                for r0 in range(bx * by_ * spec.unroll, a["n_rows"], gx * by_ * spec.unroll):
-                    for u in range(spec.unroll):
-                        r = r0 + u * by_ + ty
-                        if r < a["n_rows"]:
-                            for j in range(spec.vec):
-                                seen[r * a["n_cols"] + c0 + j].append(c0 + j)
+        x = op(shape, "float16", strides)
         grids = np.meshgrid(*[np.arange(s) for s in shape], indexing="ij")
         offsets = sum(g * st for g, st in zip(grids, strides))
-        channel = {int(o): int(ch) for o, ch in zip(offsets.ravel(), grids[1].ravel())}
-        assert {o: v for o, v in seen.items()} == {o: [ch] for o, ch in channel.items()}
+        channel = {int(o): [int(ch)] for o, ch in zip(offsets.ravel(), grids[1].ravel())}
+        base = bn.plan_batch_norm_inference(x, vec(c), vec(c)).launches[0].spec
+        for tile in [None, *bn.candidates(base)]:
+            launch = bn.plan_batch_norm_inference(x, vec(c), vec(c), tile=tile).launches[0]
+            assert _affine_walk(launch) == channel, launch.spec.uri
 
 
 # -- compilation ----------------------------------------------------------------------------------
 
+def _bn_target_tiles() -> list:
+    """The heuristic's affine pass of the batch-norm benchmark target (fp16 NHWC 32x256x56x56 +
+    ReLU) and every tile candidate of it."""
+    shape = (32, 256, 56, 56)
+    base = bn.plan_batch_norm_inference(op(shape, "float16", nhwc(shape)), vec(256), vec(256), vec(256), vec(256),
+                                        epilogue=[("relu", "")], params=(0.0, math.inf)).launches[0].spec
+    return list(dict.fromkeys([base, *bn.candidates(base)]))
+
+
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reduce-cache")
-    jobs = [(spec, arch) for spec in R.preset() for arch in ARCHS]
+    jobs = [(spec, arch) for spec in R.preset() + _bn_target_tiles() for arch in ARCHS]
     return warmed_preset(folder, jobs)
 
 
@@ -450,3 +480,18 @@ def test_main_kernels_use_128_bit_loads(warmed, tmp_path):
             path.write_bytes(entry.cubin)
             sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
             assert "LDG.E.128" in sass, f"{main.uri} [{arch}] has no 128-bit load"
+
+
+def test_batch_norm_tiles_move_16_bytes_an_access(warmed, tmp_path):
+    """Every tile of the batch-norm target: x, y and the parameters in 16-byte accesses only."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    for spec in _bn_target_tiles():
+        for arch in ARCHS:
+            entry = warmed["entries"][(spec.uri, arch)]
+            path = tmp_path / f"{entry.key}.cubin"
+            path.write_bytes(entry.cubin)
+            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+            accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
+            assert accesses and all(a.endswith(".128") or ".128." in a for a in accesses), (spec.uri, arch, accesses)

@@ -16,6 +16,7 @@ statistics. eps, momentum and epilogue parameters are kernel arguments.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +33,9 @@ from .reduce import DTYPES, KINDS, check_operand, split_reduce
 STATS_MODES = ("bn", "gn", "bn_bwd")
 AFFINE_BLOCKS = (64, 128, 256, 512)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
+# streaming hints of the affine pass: (load, store) helpers of common/vec.cuh
+HINTS = {"none": ("load_vec", "store_vec"), "load": ("load_vec_stream", "store_vec"),
+         "store": ("load_vec", "store_vec_stream"), "both": ("load_vec_stream", "store_vec_stream")}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class StatsSpec(KernelSpec):
 @dataclass(frozen=True)
 class AffineSpec(KernelSpec):
     family = "reduce_affine"
-    tile_fields = ("bx", "block", "unroll", "min_blocks", "strided")
+    tile_fields = ("bx", "block", "unroll", "min_blocks", "strided", "pipeline", "hints")
     template = "reduce/affine.cu.j2"
 
     input: str
@@ -102,12 +106,15 @@ class AffineSpec(KernelSpec):
     unroll: int = 4
     min_blocks: int = 1  # __launch_bounds__ occupancy hint (grid-strided col layout: fill every SM)
     strided: bool = True  # col layout: blocks stride over the rows (False: one tile of rows a block)
+    pipeline: bool = False  # col layout, strided: the next tile's loads go out before this one's stores
+    hints: str = "none"  # streaming accesses (HINTS): loads skip L1 and fetch 256 B into L2; stores evict first
+    cvec: int = 1        # stats source, col layout: channels per parameter load (as their alignment allows)
 
     def validate(self) -> None:
         for name in ("input", "output", "param"):
             one_of(getattr(self, name), DTYPES, name)
         one_of(self.source, ("stats", "coef"), "source")
-        for name in ("affine", "backward", "per_sample", "strided"):
+        for name in ("affine", "backward", "per_sample", "strided", "pipeline"):
             one_of(getattr(self, name), (False, True), name)
         one_of(self.layout, ("row", "col"), "layout")
         check_epilogue(self.steps, None)
@@ -117,6 +124,12 @@ class AffineSpec(KernelSpec):
         one_of(self.block, AFFINE_BLOCKS, "block")
         one_of(self.unroll, (1, 2, 4, 8), "unroll")
         one_of(self.min_blocks, (1, 2, 4, 8), "min_blocks")
+        one_of(self.hints, tuple(HINTS), "hints")
+        one_of(self.cvec, (1, 2, 4, 8), "cvec")
+        if self.cvec > 1 and (self.source != "stats" or self.layout != "col" or self.vec % self.cvec
+                              or self.cvec * dtypes.BY_NAME[self.param].itemsize > 16):
+            raise ValidationError(f"cvec: {self.cvec} channels a load need the stats source, the col layout, a "
+                                  f"divisor of vec={self.vec} and at most 16 bytes", arg="cvec")
         if self.block * self.min_blocks > 2048:
             raise ValidationError(f"min_blocks: {self.min_blocks} blocks of {self.block} threads exceed 2048 "
                                   "threads per multiprocessor", arg="min_blocks")
@@ -140,8 +153,15 @@ class AffineSpec(KernelSpec):
         short = {d: dtypes.BY_NAME[d].short for d in DTYPES}
         return (f"reduce_affine/{what}/{self.layout}{'.sample' if self.per_sample else ''}/{chain}"
                 f"/{short[self.input]}->{short[self.output]}.p{short[self.param]}"
-                f"/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}m{self.min_blocks}"
-                f"{'' if self.strided or self.layout == 'row' else '.tile'}")
+                f"/v{self.vec}c{self.cvec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}m{self.min_blocks}"
+                f"{self._loop_name}{'' if self.hints == 'none' else '.' + self.hints}")
+
+    @property
+    def _loop_name(self) -> str:
+        """The row loop (col layout): grid-strided, pipelined, or one tile a block."""
+        if self.layout == "row":
+            return ""
+        return ".pipe" if self.strided and self.pipeline else "" if self.strided else ".tile"
 
     def pointers(self) -> list[str]:
         lead = ["y"] + (["dy"] if self.backward else []) + ["x"]
@@ -161,13 +181,32 @@ class AffineSpec(KernelSpec):
             "param_ctype": dtypes.BY_NAME[self.param].ctype, "source": self.source, "affine": self.affine,
             "backward": self.backward, "layout": self.layout, "per_sample": self.per_sample,
             "vec": self.vec, "bx": self.bx, "block": self.block, "unroll": self.unroll,
-            "min_blocks": self.min_blocks, "strided": self.strided,
+            "min_blocks": self.min_blocks, "strided": self.strided, "pipeline": self.pipeline,
+            "cvec": self.cvec, "load": HINTS[self.hints][0], "store": HINTS[self.hints][1],
             "steps": chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4),
             "chain_params": ["float a0"] + [f"float {p}" for p in params],
             "epilogue_call": f"epilogue({', '.join(['v'] + params)})",
             "kernel_params": [f"{types.get(p, 'const param_t*')} __restrict__ {p}" for p in self.pointers()]
             + [f"index_t {i}" for i in ints] + ["float eps"] + [f"float {p}" for p in params],
         }
+
+
+# Autotune loop shapes of the affine pass. row: (block, unroll, min_blocks); col: (block, unroll,
+# min_blocks, strided, pipeline), each with every streaming hint. Pipelined tiles hold two
+# tiles of rows in registers: unroll * block / min_blocks is kept where they do not spill.
+ROW_TILES = ((64, 4, 1), (128, 4, 1), (256, 2, 4), (256, 4, 2), (256, 4, 4), (512, 2, 2), (128, 8, 1))
+COL_TILES = ((256, 4, 4, True, False), (256, 4, 2, True, False), (256, 8, 2, True, False),
+             (256, 2, 4, True, True), (256, 4, 2, True, True), (512, 2, 2, True, True),
+             (128, 8, 1, False, False), (256, 4, 2, False, False), (256, 2, 4, False, False),
+             (128, 4, 4, False, False), (512, 4, 1, False, False))
+
+
+def candidates(spec: AffineSpec) -> list[AffineSpec]:
+    """Tile variants of an affine pass (same work, other loop shape or cache hints)."""
+    if spec.layout == "row":
+        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m) for b, u, m in ROW_TILES]
+    return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, strided=st, pipeline=pipe, hints=h)
+            for b, u, m, st, pipe in COL_TILES for h in HINTS if spec.bx * 2 <= b]
 
 
 # -- layouts and argument checks -------------------------------------------------------------------
@@ -258,7 +297,7 @@ def _pair(a: Operand, b: Operand, names) -> None:
 
 def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, param: str = "float32",
             affine: bool = False, backward: bool = False, per_sample: bool = False, steps=(), params=(),
-            eps: float = 0.0, pointers: dict, extra_align: int = 16, tile=None) -> Launch:
+            eps: float = 0.0, pointers: dict, extra_align: int = 16, param_align: int = 16, tile=None) -> Launch:
     itemsize = max(dtypes.BY_NAME[x.dtype].itemsize, dtypes.BY_NAME[out].itemsize)
     layout = "row" if lay.name == "NCHW" else "col"
     run = lay.hw if layout == "row" else lay.c
@@ -267,36 +306,46 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
             (x.align, dtypes.BY_NAME[x.dtype].itemsize), (out_align, dtypes.BY_NAME[out].itemsize),
             (extra_align, dtypes.BY_NAME[x.dtype].itemsize)))):
         vec //= 2
+    cvec = 1
+    if layout == "col" and source == "stats":
+        width = dtypes.BY_NAME[param].itemsize
+        cvec = vec
+        while cvec > 1 and (cvec * width > 16 or param_align % (cvec * width)):
+            cvec //= 2
     n = lay.n * lay.c * lay.hw
     index = "int64" if n + 16 * 1024 * 8 >= 2 ** 31 - 1 else "int32"
     if layout == "row":
         lv = lay.hw // vec
         unroll = tile.unroll if tile else 4
         block = tile.block if tile else min(512, max(64, 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))))
-        bx, min_blocks, strided = 32, tile.min_blocks if tile else 1, True
+        loop = {"bx": 32, "block": block, "unroll": unroll, "min_blocks": tile.min_blocks if tile else 1}
         grid = (lay.n * lay.c, -(-lv // (block * unroll)), 1)
         ints = [lv, lay.c * (lay.n if per_sample else 1)]
     else:
         cv = lay.c // vec
-        bx = tile.bx if tile else min(32, 1 << math.ceil(math.log2(cv)))
-        if tile:
-            block, unroll, min_blocks, strided = tile.block, tile.unroll, tile.min_blocks, tile.strided
-        else:  # 64 registers for 4 blocks of 256 per SM; bf16 conversions and per-sample loads need unroll 2
-            block, min_blocks = 256, 2 if backward else 4
-            unroll = 2 if backward or per_sample or x.dtype == "bfloat16" or out == "bfloat16" else 4
-            strided = True  # H200, NHWC fp16 bn+ReLU: one tile a block 35.5 us, strided 32.4
+        loop = _col_loop(cv, x.dtype, out, backward, per_sample) if tile is None else {
+            f: getattr(tile, f) for f in AffineSpec.tile_fields}
+        bx, block = loop["bx"], loop["block"]
         rows = lay.n * lay.hw
         col_blocks = -(-cv // bx)
-        needed = -(-rows // (block // bx * unroll))
-        steps_per_block = -(-needed // max(1, SMS * min_blocks // col_blocks)) if strided else 1
+        needed = -(-rows // (block // bx * loop["unroll"]))
+        steps_per_block = -(-needed // max(1, SMS * loop["min_blocks"] // col_blocks)) if loop["strided"] else 1
         grid = (-(-needed // steps_per_block), col_blocks, 1)
         ints = [rows, lay.c] + ([lay.hw] if per_sample else [])
     spec = AffineSpec(input=x.dtype, output=out, param=param, source=source, affine=affine, backward=backward,
                       layout=layout, per_sample=per_sample and layout == "col", steps=tuple(steps), vec=vec,
-                      index=index, bx=bx, block=block, unroll=unroll, min_blocks=min_blocks, strided=strided)
+                      index=index, cvec=cvec, **loop)
     int_t = np.int32 if index == "int32" else np.int64
-    return Launch(spec, grid, (block, 1, 1), 0, tuple(pointers.get(p, p) for p in spec.pointers()),
+    return Launch(spec, grid, (loop["block"], 1, 1), 0, tuple(pointers.get(p, p) for p in spec.pointers()),
                   tuple(int_t(v) for v in ints) + tuple(np.float32(v) for v in (eps, *params)))
+
+
+def _col_loop(cv: int, dtype: str, out: str, backward: bool, per_sample: bool) -> dict:
+    """The heuristic's col-layout tile (AffineSpec tile fields) for cv vectors a row."""
+    # 64 registers for 4 blocks of 256 per SM; bf16 conversions and per-sample loads need unroll 2
+    light = not (backward or per_sample or "bfloat16" in (dtype, out))
+    return {"bx": min(32, 1 << math.ceil(math.log2(cv))), "block": 256, "unroll": 4 if light else 2,
+            "min_blocks": 2 if backward else 4, "strided": True, "pipeline": False, "hints": "none"}
 
 
 def _stats(mode: str, param: str, affine: bool, update: bool, records, *, n: int, channels: int, group_size: int,
@@ -323,11 +372,12 @@ def plan_batch_norm_inference(x: Operand, mean: Operand, var: Operand, gamma: Op
     lay = layout_of(x)
     if (gamma is None) != (beta is None):
         raise ValidationError("gamma: give gamma and beta together (or neither)", arg="gamma" if gamma is None else "beta")
-    param = _per_channel({"mean": mean, "var": var, "gamma": gamma, "beta": beta}, lay.c)
+    vectors = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
+    param = _per_channel(vectors, lay.c)
     steps = check_epilogue(epilogue, params)
     launch = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="stats", param=param,
                      affine=gamma is not None, steps=steps, params=params, eps=_float(eps, "eps", positive=True),
-                     pointers={}, tile=tile)
+                     pointers={}, param_align=min(op.align for op in vectors.values() if op is not None), tile=tile)
     return Plan((launch,))
 
 

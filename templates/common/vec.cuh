@@ -22,4 +22,15 @@ template <int N, typename T> __device__ __forceinline__ Vec<T, N> load_vec_strea
 template <int N, typename T> __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
+// A 16-byte store of data no kernel reads soon: cache-streaming (.cs), evicted from the L2
+// first. Narrower vectors take the plain path.
+template <int N, typename T> __device__ __forceinline__ void store_vec_stream(T* p, const Vec<T, N>& v) {
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    const unsigned* r = reinterpret_cast<const unsigned*>(&v);
+    asm volatile("st.global.cs.v4.u32 [%0], { %1, %2, %3, %4 };"
+                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  } else {
+    store_vec<N>(p, v);
+  }
+}
 }  // namespace nvdnn
