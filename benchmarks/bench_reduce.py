@@ -78,11 +78,10 @@ def bench_reduction(name, opname, shape, axes, dtype, torch):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
-def bench_batch_norm(name, mode, shape, layout, dtype, torch, tile=None):
-    import cupy
-    item = dtypes.BY_NAME[dtype].itemsize
+def _bn_inputs(cupy, mode, shape, layout, dtype):
+    """Rotating input sets of one batch-norm workload: (count, xs, ys, the other tensors)."""
     n_elem = math.prod(shape)
-    count = sets_for(2 * n_elem * item)
+    count = sets_for(2 * n_elem * dtypes.BY_NAME[dtype].itemsize)
     make = _nhwc if layout == "NHWC" else _nchw
     xs = [make(cupy, shape, dtype, i) for i in range(count)]
     if layout == "NHWC":  # y in x's memory order
@@ -93,38 +92,53 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch, tile=None):
     rng = np.random.default_rng(5)
     mean, var, gamma, beta = (cupy.asarray(rng.uniform(lo, hi, c).astype(np.float32))
                               for lo, hi in ((-1, 1), (0.5, 2), (0.5, 2), (-1, 1)))
-    relu = ([("relu", "")], (0.0, math.inf))
-    x0 = operand(xs[0])
-    vec = operand(mean)
     if mode == "inference":
-        plan = bn.plan_batch_norm_inference(x0, vec, vec, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1],
-                                            tile=tile)
         extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
     elif mode == "training":
-        plan = bn.plan_batch_norm_training(x0, vec, vec, vec, vec, eps=1e-5, momentum=0.1,
-                                           epilogue=relu[0], params=relu[1])
-        sm, si = cupy.empty(c, np.float32), cupy.empty(c, np.float32)
-        rm, rv = mean.copy(), var.copy()
-        extra = {"gamma": gamma, "beta": beta, "running_mean": rm, "running_var": rv, "saved_mean": sm,
-                 "saved_invstd": si}
-    else:  # group norm, 32 groups
-        plan = bn.plan_group_norm(x0, 32, vec, vec, eps=1e-5, epilogue=relu[0], params=relu[1])
+        extra = {"gamma": gamma, "beta": beta, "running_mean": mean.copy(), "running_var": var.copy(),
+                 "saved_mean": cupy.empty(c, np.float32), "saved_invstd": cupy.empty(c, np.float32)}
+    else:
         extra = {"gamma": gamma, "beta": beta}
+    return count, xs, ys, extra
+
+
+RELU = ([("relu", "")], (0.0, math.inf))
+
+
+def _bn_plan(mode, x, c, tile=None):
+    vec = Operand("float32", (c,), (1,), 16)
+    if mode == "inference":
+        return bn.plan_batch_norm_inference(x, vec, vec, vec, vec, eps=1e-5, epilogue=RELU[0], params=RELU[1],
+                                            tile=tile)
+    if mode == "training":
+        return bn.plan_batch_norm_training(x, vec, vec, vec, vec, eps=1e-5, momentum=0.1, epilogue=RELU[0],
+                                           params=RELU[1])
+    return bn.plan_group_norm(x, 32, vec, vec, eps=1e-5, epilogue=RELU[0], params=RELU[1])  # 32 groups
+
+
+def _time_plan(cupy, plan, count, xs, ys, extra):
     _, size = launcher.scratch_layout(plan)
     work = cupy.empty(max(size, 1), dtype=cupy.uint8)
     ours = lambda i: launcher.run(plan, {"y": ys[i], "x": xs[i], **extra}, workspace=work)  # noqa: E731
-    moved = 2 * n_elem * item
-    t_ours = time_ms(ours, count)
+    return ours, time_ms(ours, count)
+
+
+def bench_batch_norm(name, mode, shape, layout, dtype, torch):
+    import cupy
+    count, xs, ys, extra = _bn_inputs(cupy, mode, shape, layout, dtype)
+    moved = 2 * math.prod(shape) * dtypes.BY_NAME[dtype].itemsize
+    ours, t_ours = _time_plan(cupy, _bn_plan(mode, operand(xs[0]), shape[1]), count, xs, ys, extra)
     if torch is None:
         return _row(name, dtype, moved, t_ours)
     F = torch.nn.functional
     fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
     tx = [torch.from_dlpack(x).contiguous(memory_format=fmt) for x in xs]
-    tm, tv, tg, tb = (torch.from_dlpack(a) for a in (mean, var, gamma, beta))
+    tg, tb = (torch.from_dlpack(extra[k]) for k in ("gamma", "beta"))
     if mode == "inference":
+        tm, tv = (torch.from_dlpack(extra[k]) for k in ("mean", "var"))
         theirs = lambda i: F.relu(F.batch_norm(tx[i], tm, tv, tg, tb, False, 0.1, 1e-5))  # noqa: E731
     elif mode == "training":
-        trm, trv = tm.clone(), tv.clone()
+        trm, trv = (torch.from_dlpack(extra[k]).clone() for k in ("running_mean", "running_var"))
         theirs = lambda i: F.relu(F.batch_norm(tx[i], trm, trv, tg, tb, True, 0.1, 1e-5))  # noqa: E731
     else:
         tg, tb = tg.to(tx[0].dtype), tb.to(tx[0].dtype)  # PyTorch's group_norm wants x's type for both
@@ -135,27 +149,59 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch, tile=None):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
-def bn_tile_sweep():
-    """Every tile candidate of the batch-norm target (fp16 NHWC inference + ReLU)."""
+BN_TARGET = (32, 256, 56, 56)  # fp16 NHWC inference + ReLU: x read once, y written once, 102.8 MB
+
+
+def bn_sweep_specs():
+    """The heuristic's affine spec of the batch-norm target and every tile candidate of it."""
+    x = Operand("float16", BN_TARGET, (math.prod(BN_TARGET[1:]), 1, BN_TARGET[3] * BN_TARGET[1], BN_TARGET[1]))
+    base = _bn_plan("inference", x, BN_TARGET[1]).launches[0].spec
+    return base, list(dict.fromkeys([base, *bn.candidates(base)]))
+
+
+def bn_tile_sweep(torch):
+    """Every tile candidate of the batch-norm target, and what the same bytes cost elsewhere in
+    the same process, timed the same way over the same tensors: PyTorch's y.copy_(x) and nvdnn's
+    ReLU (a pointwise kernel, no coefficients)."""
     import cupy
-    shape = (32, 256, 56, 56)
-    x = operand(_nhwc(cupy, shape, "float16", 0))
-    vec = Operand("float32", (256,), (1,), 16)
-    base = bn.plan_batch_norm_inference(x, vec, vec, vec, vec, epilogue=[("relu", "")],
-                                        params=(0.0, math.inf)).launches[0].spec
-    moved = 2 * math.prod(shape) * 2  # fp16 x read, y written
+
+    import nvdnn
+    count, xs, ys, extra = _bn_inputs(cupy, "inference", BN_TARGET, "NHWC", "float16")
+    moved = 2 * math.prod(BN_TARGET) * 2
+    phys_x = [x.transpose(0, 2, 3, 1) for x in xs]  # (N, H, W, C), C-contiguous
+    phys_y = [y.transpose(0, 2, 3, 1) for y in ys]
     rows = []
-    for tile in R.candidates(base):
-        row = bench_batch_norm("bn+relu NHWC fp16", "inference", shape, "NHWC", "float16", None, tile=tile)
-        rows.append(tile_row(tile.uri.rsplit("/", 1)[1], tile == base, float(row["nvdnn_us"]) * 1e-3, moved))
+    if torch is not None:
+        tx, ty = [torch.from_dlpack(a) for a in phys_x], [torch.from_dlpack(a) for a in phys_y]
+        rows.append(tile_row("ceiling: torch y.copy_(x)", False, time_ms(lambda i: ty[i].copy_(tx[i]), count), moved))
+    rows.append(tile_row("ceiling: nvdnn.relu(x, out=y)", False,
+                         time_ms(lambda i: nvdnn.relu(phys_x[i], out=phys_y[i]), count), moved))
+    base, specs = bn_sweep_specs()
+    x0 = operand(xs[0])
+    for tile in specs:
+        plan = _bn_plan("inference", x0, BN_TARGET[1], tile=tile)
+        _, ms = _time_plan(cupy, plan, count, xs, ys, extra)
+        rows.append(tile_row(tile.uri.rsplit("/", 1)[1], tile == base, ms, moved))
     return rows
+
+
+def warm_sweep():
+    """Compile the sweep's kernels on every core first (a GPU machine may not have them cached)."""
+    import nvdnn
+    from nvdnn import compiler, warm
+    arch = compiler.device_arch()
+    report = warm.warm([(spec, arch) for spec in bn_sweep_specs()[1]], nvdnn.default_cache())
+    print(f"bn sweep kernels: {len(report.compiled)} compiled, {len(report.cached)} cached, "
+          f"{len(report.failed)} failed in {report.seconds:.1f} s")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", choices=["bn"], help="bn: the batch-norm tile sweep and batch-norm rows only")
     args, torch, device, copy = start(parser)
-    sweep = bn_tile_sweep()
-    print(table(sweep, ["tile", "us", "TB/s"]))
+    warm_sweep()
+    sweep = bn_tile_sweep(torch)
+    print(table(sweep, ["tile", "us", "TB/s"]), flush=True)
     rows = []
     for dtype in ("float16", "bfloat16", "float32"):
         rows.append(bench_batch_norm("bn+relu inference NHWC 32x256x56x56", "inference", (32, 256, 56, 56), "NHWC",
@@ -167,7 +213,7 @@ def main():
                                      "float16", torch))
         rows.append(bench_batch_norm(f"group_norm(32)+relu {layout} 32x256x56x56", "group", (32, 256, 56, 56),
                                      layout, "float16", torch))
-    for name, opname, shape, axes in (("amax whole tensor 64M", "amax", (1 << 26,), None),
+    for name, opname, shape, axes in () if args.only else (("amax whole tensor 64M", "amax", (1 << 26,), None),
                                       ("sum last axis 16384x4096", "sum", (16384, 4096), (1,)),
                                       ("mean first axis 16384x4096", "mean", (16384, 4096), (0,)),
                                       ("norm2 last axis 4096x1024", "norm2", (4096, 1024), (1,)),
