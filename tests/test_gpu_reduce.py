@@ -183,11 +183,14 @@ def test_batch_norm_inference(layout, dtype):
 
 # The affine pass's tiles at odd shapes: N = 1, C a multiple of 8, of 4, odd (fp16 vectors of 8,
 # 4, 1 channels), H and W odd, fewer rows than one tile, more than one grid-strided round.
-# (layout, dtype, shape, every streaming hint or only "none")
-TILE_CASES = [("NHWC", "float16", (4, 64, 33, 31), True), ("NHWC", "float16", (1, 24, 5, 3), False),
-              ("NHWC", "float16", (2, 7, 5, 5), False), ("NHWC", "float16", (5, 40), False),
-              ("NHWC", "bfloat16", (1, 256, 7, 7), False), ("NHWC", "bfloat16", (3, 12, 9, 7), True),
-              ("NCHW", "float16", (1, 3, 7, 7), False), ("NCHW", "bfloat16", (2, 16, 33, 5), False)]
+# (layout, x's dtype, shape, the parameters' dtype, every streaming hint or only "none")
+TILE_CASES = [("NHWC", "float16", (4, 64, 33, 31), "float32", True),
+              ("NHWC", "float16", (1, 24, 5, 3), "float32", False),
+              ("NHWC", "float16", (2, 7, 5, 5), "float32", False), ("NHWC", "float16", (5, 40), "float32", False),
+              ("NHWC", "float16", (2, 32, 3, 5), "float16", False),
+              ("NHWC", "bfloat16", (1, 256, 7, 7), "bfloat16", False),
+              ("NHWC", "bfloat16", (3, 12, 9, 7), "float32", True),
+              ("NCHW", "float16", (1, 3, 7, 7), "float32", False), ("NCHW", "bfloat16", (2, 16, 33, 5), "float32", False)]
 
 
 def _warm(specs) -> None:
@@ -198,20 +201,21 @@ def _warm(specs) -> None:
     assert report.failed == [], report.failed[:2]
 
 
-@pytest.mark.parametrize("layout,dtype,shape,hints", TILE_CASES)
-def test_batch_norm_inference_every_tile(layout, dtype, shape, hints):
+@pytest.mark.parametrize("layout,dtype,shape,param,hints", TILE_CASES)
+def test_batch_norm_inference_every_tile(layout, dtype, shape, param, hints):
     """Every autotune candidate of the affine pass (loops, pipelining, streaming hints) against
-    float64, with parameters aligned for vector loads and 4 bytes off (scalar loads)."""
+    float64, with parameters aligned for vector loads and one element off (scalar loads)."""
     c = shape[1]
     x, x64 = _tensor(shape, dtype, layout)
-    params = [_channels(c + 1, low=lo, high=hi) for lo, hi in ((-1, 1), (0.5, 2), (0.5, 2), (-1, 1))]
+    params = [_channels(c + 1, param, lo, hi) for lo, hi in ((-1, 1), (0.5, 2), (0.5, 2), (-1, 1))]
     relu = {"epilogue": [("relu", "")], "params": (0.0, math.inf)}
     cases = []
+    widest = 16 // dtypes.BY_NAME[param].itemsize
     for offset in (0, 1):  # slices of 16-byte-aligned arrays at element 0, then at element 1
         vectors = [(a[offset:offset + c], a64[offset:offset + c]) for a, a64 in params]
         args = [operand(a) for a in (x, *(v for v, _ in vectors))]
         base = bn.plan_batch_norm_inference(*args, eps=1e-3, **relu).launches[0].spec
-        assert base.cvec == (1 if offset or base.layout == "row" else min(base.vec, 4))
+        assert base.cvec == (1 if offset or base.layout == "row" else min(base.vec, widest))
         tiles = [t for t in bn.candidates(base) if hints or t.hints == "none"]
         cases += [(vectors, args, tile) for tile in tiles]
     _warm(tile for _, _, tile in cases)
