@@ -1,11 +1,12 @@
 """Norm kernels (layer norm, RMS norm, softmax; forward and backward), nvdnn vs PyTorch in one
 process on the same inputs.
 
-    python benchmarks/bench_norm.py [--json FILE] [--no-sweep]
+    python benchmarks/bench_norm.py [--json FILE] [--no-sweep] [--targets long,medium]
 
 Effective bandwidth counts each input read once and each output written once (gamma / beta
-and saved statistics included). Long rows run both ways: a thread-block cluster (sm_90) and
-the portable two passes. The sweep times every tile candidate of the target workloads.
+and saved statistics included). Long rows run every way: the persistent cluster (sm_90, the
+heuristic's), a cluster a row, and the portable two passes. The sweep times every tile
+candidate of the target workloads, and the persistent grid at fewer clusters than it takes.
 """
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ class Prepared:
             for launch, fn in zip(plan.launches, self.fns):
                 ptrs = [np.uint64(self.workspace.data.ptr + offsets[int(r[7:])]) if r.startswith("scratch")
                         else tensors[r] for r in launch.pointers]
-                calls.append((fn, launch.grid, launch.block, (*ptrs, *launch.args)))
+                calls.append((fn, launch.grid, launch.block, (*ptrs, *launch.args), launch.shared_mem))
             self.calls.append(calls)
 
     def __call__(self, i: int) -> None:
-        for fn, grid, block, args in self.calls[i]:
-            fn(grid, block, args)
+        for fn, grid, block, args, shared in self.calls[i]:
+            fn(grid, block, args, shared_mem=shared)
 
 
 def _host(dtype: str):
@@ -94,11 +95,17 @@ def workloads(dtype: str, rows: int, L: int):
                 sets(), 2 * row_bytes + L * itemsize, "rms_norm"))
     out.append(("softmax", lambda tile=None, a=arch: norm.plan_softmax(ox, -1, arch=a, tile=tile),
                 sets(), 2 * row_bytes, "softmax"))
-    if L > 32768:  # the portable two-pass form of the long rows too
-        out.append(("layer_norm (2-pass)", lambda tile=None: norm.plan_layer_norm(ox, 1, gamma=og, beta=og, tile=tile),
-                    sets(), 2 * row_bytes + 2 * L * itemsize, "layer_norm"))
-        out.append(("softmax (2-pass)", lambda tile=None: norm.plan_softmax(ox, -1, tile=tile), sets(), 2 * row_bytes,
-                    "softmax"))
+    if L > 32768:
+        out.append(("log_softmax", lambda tile=None, a=arch: norm.plan_softmax(ox, -1, log=True, arch=a, tile=tile),
+                    sets(), 2 * row_bytes, "log_softmax"))
+        # the other long-row forms: a cluster a row (the sm_90 candidate of the same reach) and
+        # the portable heuristic's two passes
+        for name in ("layer_norm", "rms_norm", "softmax"):
+            make, moved = next((m, b) for n, m, _, b, _ in out if n == name)
+            tile = next((c for c in norm.candidates(tile_spec(make())) if c.split == "cluster"), None)
+            if tile is not None:
+                out.append((f"{name} (cluster)", lambda tile=tile, make=make: make(tile=tile), sets(), moved, name))
+            out.append((f"{name} (2-pass)", lambda tile=None, make=make: make(tile=tile, a=None), sets(), moved, name))
     ostat = operand(mean)
     out.append(("layer_norm bwd", lambda tile=None: norm.plan_layer_norm_backward(
         ox, ox, 1, mean=ostat, rstd=ostat, gamma=og, beta=og, tile=tile),
@@ -117,12 +124,28 @@ def torch_call(torch, kind: str, x, g, b, dy, y, mean, rstd):
         return lambda: F.rms_norm(x, (L,), g, eps=1e-6)
     if kind == "softmax":
         return lambda: torch.softmax(x, -1)
+    if kind == "log_softmax":
+        return lambda: torch.log_softmax(x, -1)
     if kind == "layer_norm_bwd":
         return lambda: torch.ops.aten.native_layer_norm_backward(dy, x, (L,), mean.view(-1, 1), rstd.view(-1, 1), g,
                                                                  b, [True, True, True])
     if kind == "softmax_bwd":
         return lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)
     raise ValueError(kind)
+
+
+def _grids(plan):
+    """The plan, and for a persistent cluster the same with fewer clusters in its grid (are as
+    many co-resident as PERSIST_SMS assumes?): (plan, label) pairs."""
+    out = [(plan, "")]
+    (launch, *rest) = plan.launches
+    if launch.spec.split == "persist" and not rest:
+        cl = launch.spec.cluster
+        for clusters in (launch.grid[0] // cl - 1, launch.grid[0] // cl - 2):
+            if clusters > 0:
+                out.append((plan._replace(launches=(launch._replace(grid=(clusters * cl, 1, 1)),)),
+                            f" [{clusters} clusters]"))
+    return out
 
 
 def bench(torch, dtype: str, label: str, rows: int, L: int, target: float, sweep: bool):
@@ -146,20 +169,21 @@ def bench(torch, dtype: str, label: str, rows: int, L: int, target: float, sweep
             t_ms = time_ms(lambda i: calls[i](), len(calls))
             row.update({"torch_us": f"{t_ms * 1e3:.1f}", "torch_TB/s": f"{moved / (t_ms * 1e-3) / 1e12:.2f}",
                         "speedup": f"{t_ms / ms:.2f}x"})
-            if kind in ("layer_norm", "rms_norm", "softmax"):
+            if kind in ("layer_norm", "rms_norm", "softmax", "log_softmax"):
                 run(0)
                 want = calls[0]()
                 row["max_diff"] = f"{float((torch.from_dlpack(ys[0]).float() - want.float()).abs().max()):.2g}"
         rows_out.append(row)
-        if sweep and not name.endswith("bwd"):
+        if sweep and not name.endswith("bwd") and "(" not in name:
             base = tile_spec(plan)
             for cand in norm.candidates(base):
                 if norm.unsupported_reason(cand, compiler.device_arch()):
                     continue
-                cplan = make(tile=cand)
-                cms = time_ms(Prepared(cplan, sets), len(sets), iters=20, trials=3)
-                tiles = " + ".join(lnch.spec.uri.split("/")[-1] for lnch in cplan.launches)
-                tuning.append(tile_row(tiles, cand == base, cms, moved, workload=f"{name} {rows}x{L} {dtype}"))
+                for cplan, grid in _grids(make(tile=cand)):
+                    cms = time_ms(Prepared(cplan, sets), len(sets), iters=20, trials=3)
+                    tiles = " + ".join(lnch.spec.uri.split("/")[-1] for lnch in cplan.launches) + grid
+                    tuning.append(tile_row(tiles, cand == base and not grid, cms, moved,
+                                           workload=f"{name} {rows}x{L} {dtype}"))
     del xs, ys, dys, dxs, ops
     cupy.get_default_memory_pool().free_all_blocks()
     return rows_out, tuning
@@ -169,10 +193,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-sweep", action="store_true", help="skip timing every tile candidate")
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated, e.g. bfloat16,float16,float32")
+    parser.add_argument("--targets", default=",".join(t[0] for t in TARGETS),
+                        help="comma-separated workloads: " + ", ".join(t[0] for t in TARGETS))
     args, torch, device, copy = start(parser)
     rows, tuning = [], []
     for dtype in args.dtypes.split(","):
-        for label, n, L, target in TARGETS:
+        for label, n, L, target in (t for t in TARGETS if t[0] in args.targets.split(",")):
             r, t = bench(torch, dtype, label, n, L, target, sweep=not args.no_sweep and dtype == "bfloat16")
             rows += r
             tuning += t

@@ -1,7 +1,8 @@
 """Norm family on the GPU against float64 NumPy: layer / RMS norm and softmax / log-softmax,
 forward and backward, every dtype, outputs poisoned (NaN) first, at the benchmark shapes and odd
-ones (rows of 1, 7, 1000, 65537 elements; one row), both long-row strategies (cluster, two
-passes), fused options (residual, epilogue, cast, mask, causal), strided views."""
+ones (rows of 1, 7, 1000, 65537 elements; one row), every long-row strategy (persistent
+cluster, cluster, two passes), fused options (residual, epilogue, cast, mask, causal), strided
+views."""
 from __future__ import annotations
 
 import numpy as np
@@ -271,3 +272,108 @@ def test_more_than_2_pow_31_elements():
     assert not bool(cupy.isnan(y).any()), "elements left unwritten"
     del x, y
     cupy.get_default_memory_pool().free_all_blocks()
+
+
+# -- long rows on sm_90: the persistent cluster (bulk copies into shared memory) ---------------------
+
+# Whole 16-byte vectors persist; odd lengths (262151, 100003) take the other paths. 256 rows: 16
+# rows per cluster, both stages and both pushed-statistics slots cycle many times.
+LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144)]
+
+
+def sm90():
+    if compiler.arch_number(arch()) < 90:
+        pytest.skip("persistent clusters need sm_90")
+    return arch()
+
+
+def persists(plan, dtype: str, L: int) -> bool:
+    """Whether the heuristic took the persistent cluster, checked where it must: 16-bit rows of
+    whole vectors up to 8 blocks of 32768 elements."""
+    split = plan.launches[0].spec.split
+    if dtype != "float32" and L % 8 == 0 and L <= 262144:
+        assert split == "persist", plan.launches[0].spec.uri
+    return split == "persist"
+
+
+@pytest.mark.parametrize("rows,L", LONG)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_rows_norms(rows, L, dtype):
+    target = sm90()
+    x, x64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    b, b64 = uniform((L,), dtype, -0.5, 0.5)
+    y, mean, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32"), poisoned((rows,), "float32")
+    plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), save_stats=True, arch=target)
+    persists(plan, dtype, L)
+    run(plan, y=y, x=x, gamma=g, beta=b, mean=mean, rstd=rstd)
+    want, want_mean, want_rstd = ref.layer_norm(x64, 1, g64, b64, 1e-5, return_stats=True)
+    what = f"layer_norm {rows}x{L} {plan.launches[0].spec.uri}"
+    check(y, want, dtype, what)
+    check(mean, want_mean, "float32", what + " mean")
+    check(rstd, want_rstd, "float32", what + " rstd")
+    y, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32")
+    plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), save_stats=True, eps=1e-6, arch=target)
+    persists(plan, dtype, L)
+    run(plan, y=y, x=x, gamma=g, rstd=rstd)
+    want, want_rstd = ref.rms_norm(x64, 1, g64, 1e-6, return_stats=True)
+    check(y, want, dtype, f"rms_norm {rows}x{L} {plan.launches[0].spec.uri}")
+    check(rstd, want_rstd, "float32", f"rms_norm {rows}x{L} rstd")
+    # x + residual, written as h: both rows staged, gamma and beta read from global memory
+    r, r64 = random((rows, L), dtype)
+    h64 = (x64.astype(np.float32) + r64.astype(np.float32)).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)
+    y, h = poisoned((rows, L), dtype), poisoned((rows, L), dtype)
+    plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), residual=operand(r),
+                                write_sum=True, epilogue=[("relu", "")], params=(0.0, np.inf), arch=target)
+    persists(plan, dtype, L)
+    run(plan, y=y, x=x, residual=r, h=h, gamma=g, beta=b)
+    check(h, h64, dtype, f"h = x + residual {rows}x{L}")
+    check(y, ref.relu(ref.layer_norm(h64, 1, g64, b64)), dtype, f"relu(layer_norm(x + r)) {plan.launches[0].spec.uri}")
+
+
+@pytest.mark.parametrize("rows,L", LONG)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_rows_softmax(rows, L, dtype):
+    target = sm90()
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    for log in (False, True):
+        y = poisoned((rows, L), dtype)
+        plan = norm.plan_softmax(operand(x), -1, log=log, arch=target)
+        persists(plan, dtype, L)
+        run(plan, y=y, x=x)
+        want = ref.log_softmax(x64) if log else ref.softmax(x64)
+        check(y, want, dtype, f"{'log_' if log else ''}softmax {rows}x{L} {plan.launches[0].spec.uri}")
+    mask, mask64 = random((L,), dtype, -2.0, 2.0)  # one mask row for every row: staged again each row
+    y = poisoned((rows, L), dtype)
+    plan = norm.plan_softmax(operand(x), -1, mask=operand(mask), causal=True, arch=target)
+    persists(plan, dtype, L)
+    run(plan, y=y, x=x, mask=mask)
+    check(y, ref.softmax(x64, mask=mask64, causal=True), dtype, f"softmax mask + causal {rows}x{L}")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "softmax"])
+def test_every_long_row_candidate(op):
+    """Every tile the autotuner may pick at 3 x 262144 bf16 (persistent at each stage count, with
+    and without staged gamma / beta; clusters; two passes), and the persistent grid smaller than
+    the planner's."""
+    target = sm90()
+    rows, L, dtype = 3, 262144, "bfloat16"
+    x, x64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    make = {"layer_norm": lambda t: norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(g),
+                                                         arch=target, tile=t),
+            "rms_norm": lambda t: norm.plan_rms_norm(operand(x), 1, gamma=operand(g), eps=1e-6, arch=target, tile=t),
+            "softmax": lambda t: norm.plan_softmax(operand(x), -1, arch=target, tile=t)}[op]
+    want = {"layer_norm": lambda: ref.layer_norm(x64, 1, g64, g64), "rms_norm": lambda: ref.rms_norm(x64, 1, g64, 1e-6),
+            "softmax": lambda: ref.softmax(x64)}[op]()
+    base = make(None).launches[0].spec
+    assert base.split == "persist"
+    for tile in norm.candidates(base):
+        plan = make(tile)
+        launch = plan.launches[0]
+        grids = [plan] + ([plan._replace(launches=(launch._replace(grid=(launch.spec.cluster, 1, 1)),))]
+                          if tile.split == "persist" else [])  # one cluster walks all three rows
+        for p in grids:
+            y = poisoned((rows, L), dtype)
+            run(p, y=y, x=x, gamma=g, beta=g)
+            check(y, want, dtype, f"{op} {tile.uri} grid {p.launches[0].grid}")

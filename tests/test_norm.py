@@ -202,16 +202,65 @@ def test_strategy_per_row_length():
     assert (s.vec, s.nv, s.tpr, s.rpb, s.split) == (8, 4, 128, 2, "none") and medium.launches[0].grid == (8192, 1, 1)
     assert medium.scratch == ()
     long_x = op("bfloat16", 256, 262144)
-    cluster = norm.plan_softmax(long_x, -1, arch="sm_90")
+    persist = norm.plan_softmax(long_x, -1, arch="sm_90")
+    (launch,) = persist.launches
+    s = launch.spec
+    assert (s.split, s.cluster, s.tpr, s.nv, s.stages) == ("persist", 8, 1024, 4, 2)
+    assert launch.grid == (128, 1, 1) and launch.shared_mem == 2 * 32768 * 2 and persist.scratch == ()
+    cluster = norm.plan_softmax(op("bfloat16", 256, 262144, align=8), -1, arch="sm_90")  # 8-byte vectors: no bulk copies
     (launch,) = cluster.launches
-    assert (launch.spec.split, launch.spec.cluster, launch.spec.tpr, launch.spec.nv) == ("cluster", 8, 1024, 4)
-    assert launch.grid == (2048, 1, 1) and cluster.scratch == ()
+    assert (launch.spec.split, launch.spec.cluster, launch.spec.tpr, launch.spec.nv) == ("cluster", 16, 1024, 4)
+    assert launch.grid == (256 * 16, 1, 1) and launch.shared_mem == 0
     portable = norm.plan_softmax(long_x, -1, arch="sm_80")
     assert [l.spec.split for l in portable.launches] == ["stats", "apply"]
     assert portable.launches[0].pointers == ("x", "scratch0") and portable.launches[1].pointers == ("y", "x", "scratch0")
     assert portable.scratch == (256 * 16 * 2 * 4,)
     assert norm.plan_softmax(long_x, -1).launches[0].spec.split == "stats"  # no arch: portable
     assert norm.unsupported_reason(launch.spec, "sm_80") and norm.unsupported_reason(launch.spec, "sm_90") is None
+    assert norm.unsupported_reason(persist.launches[0].spec, "sm_80")
+
+
+def _persist(plan):
+    launch = plan.launches[0]
+    return launch.spec.split, launch.spec.cluster, launch.spec.stages, launch.grid[0], launch.shared_mem
+
+
+def test_long_rows_on_sm90_take_the_persistent_cluster():
+    x, w = op("bfloat16", 256, 262144), op("bfloat16", 262144)
+    chunk = 32768 * 2  # bytes of a block's chunk of a bf16 row
+    # layer norm: one row in flight beside gamma and beta (staged once); RMS norm: two beside gamma
+    assert _persist(norm.plan_layer_norm(x, 1, gamma=w, beta=w, arch="sm_90")) == ("persist", 8, 1, 128, 3 * chunk)
+    assert _persist(norm.plan_layer_norm(x, 1, arch="sm_90")) == ("persist", 8, 2, 128, 2 * chunk)
+    assert _persist(norm.plan_rms_norm(x, 1, gamma=w, save_stats=True, arch="sm_90")) == (
+        "persist", 8, 2, 128, 3 * chunk)
+    # x and the residual staged, one row in flight; gamma and beta do not fit beside them
+    res = norm.plan_layer_norm(x, 1, gamma=w, beta=w, residual=x, write_sum=True, arch="sm_90")
+    assert _persist(res) == ("persist", 8, 1, 128, 2 * chunk) and res.launches[0].spec.staged_columns() == []
+    assert _persist(norm.plan_softmax(x, -1, log=True, mask=op("float32", 262144), arch="sm_90")) == (
+        "persist", 8, 1, 128, 3 * chunk)
+    # a few rows: a cluster each; shorter rows: smaller clusters, more of them
+    assert _persist(norm.plan_rms_norm(op("bfloat16", 3, 262144), 1, arch="sm_90")) == ("persist", 8, 2, 24, 2 * chunk)
+    assert _persist(norm.plan_softmax(op("float16", 100, 65536), -1, arch="sm_90")) == ("persist", 2, 2, 128, 2 * chunk)
+    assert _persist(norm.plan_softmax(op("float32", 64, 131072), -1, arch="sm_90")) == ("persist", 8, 2, 128, 2 * chunk)
+    # where bulk copies cannot go: other paths
+    assert norm.plan_layer_norm(x, 1, arch="sm_80").launches[0].spec.split == "stats"
+    assert norm.plan_layer_norm(op("bfloat16", 4, 262151), 1, arch="sm_90").launches[0].spec.split == "stats"
+    assert norm.plan_rms_norm(op("bfloat16", 4, 262144, align=8), 1, arch="sm_90").launches[0].spec.split == "cluster"
+    assert norm.plan_softmax(op("float32", 4, 262144), -1, arch="sm_90").launches[0].spec.split == "cluster"  # of 16
+    assert norm.plan_softmax(op("bfloat16", 4, 16384), -1, arch="sm_90").launches[0].spec.split == "none"
+
+
+@pytest.mark.parametrize("change,arg", [
+    (dict(stages=0), "stages"), (dict(split="cluster"), "stages"), (dict(stages=5), "stages"),
+    (dict(cluster=16, nv=2), "cluster"), (dict(vec=4), "vec"), (dict(stages=4), "stages"),
+])
+def test_persistent_spec_rejects(change, arg):
+    good = dict(kind="rms", x="bfloat16", gamma="bfloat16", out="bfloat16", vec=8, nv=4, tpr=1024, split="persist",
+                cluster=8, stages=2)
+    assert norm.NormSpec(**good).stage_bytes == 3 * 65536
+    with pytest.raises(ValidationError) as info:
+        norm.NormSpec(**{**good, **change})
+    assert info.value.arg == arg
 
 
 def test_backward_plans():
@@ -340,11 +389,11 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
         persistent = isinstance(spec, norm.NormBackwardSpec)
         step = launch.grid[0] * spec.rpb if persistent else rows + 1
     else:
-        chunks = spec.cluster if spec.split == "cluster" else _arg(launch, "n_chunks")
+        chunks = spec.cluster if spec.split in ("cluster", "persist") else _arg(launch, "n_chunks")
         assert launch.grid[0] % chunks == 0
         first, chunk = blocks // chunks, blocks % chunks
         q0 = chunk * spec.tpr * spec.nv + threads
-        persistent = isinstance(spec, norm.NormBackwardSpec)
+        persistent = isinstance(spec, norm.NormBackwardSpec) or spec.split == "persist"
         step = launch.grid[0] // chunks if persistent else rows + 1
     for r0 in range(0, rows, step) if persistent else [0]:
         r = first + r0
@@ -356,11 +405,12 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows,L", [(1, 1), (7, 1), (3, 7), (1000, 7), (5, 1000), (2, 65537), (9, 4096), (65, 128),
-                                    (3, 262144), (2, 40000)])
+                                    (3, 262144), (2, 40000), (300, 65536)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_element_is_covered_once(rows, L, dtype):
     x, g, st = op(dtype, rows, L), op(dtype, L), op("float32", rows)
     plans = [norm.plan_layer_norm(x, 1, gamma=g, arch="sm_90"), norm.plan_softmax(x, -1),
+             norm.plan_softmax(x, -1, arch="sm_90"),
              norm.plan_rms_norm(x, 1), norm.plan_layer_norm_backward(x, x, 1, mean=st, rstd=st, gamma=g),
              norm.plan_softmax_backward(x, x, -1)]
     for plan in plans:
@@ -368,7 +418,7 @@ def test_every_element_is_covered_once(rows, L, dtype):
             if isinstance(launch.spec, norm.WgradSpec):
                 assert launch.grid[0] * norm.WGRAD_COLUMNS >= L
                 continue
-            if launch.spec.split in ("none", "cluster"):
+            if launch.spec.split in ("none", "cluster", "persist"):
                 assert launch.spec.capacity >= L
             count = _cover(launch, rows, L)
             assert (count == 1).all(), f"{launch.spec.uri}: counts {np.unique(count)}"
@@ -403,7 +453,7 @@ def test_candidates_are_valid_tiles_that_fit():
         for cand in cands:
             plan = make(tile=cand)
             rows = [l.spec for l in plan.launches if not isinstance(l.spec, norm.WgradSpec)]
-            if getattr(cand, "split", "none") in ("none", "cluster"):
+            if getattr(cand, "split", "none") in ("none", "cluster", "persist"):
                 assert rows == [cand] and (not isinstance(cand, norm.RowSpec) or cand.capacity == spec.capacity
                                            or spec.split in ("stats", "apply"))
             else:
@@ -425,7 +475,7 @@ def test_preset_covers_every_op_dtype_and_strategy():
     assert 100 <= len(specs) <= 300
     assert {s.family for s in specs} == {"norm", "norm_bwd", "norm_wgrad", "softmax", "softmax_bwd", "softmax_cols"}
     rows = [s for s in specs if isinstance(s, norm.RowSpec)]
-    assert {s.split for s in rows} == {"none", "cluster", "stats", "apply"}
+    assert {s.split for s in rows} == {"none", "cluster", "persist", "stats", "apply"}
     assert {s.x for s in specs if isinstance(s, norm.NormSpec)} == set(norm.DTYPES)
     assert any(s.residual and s.write_sum for s in rows if isinstance(s, norm.NormSpec))
     assert any(s.epilogue for s in rows if isinstance(s, norm.NormSpec))
@@ -448,7 +498,7 @@ def test_every_preset_spec_compiles_for_sm80_and_sm90_without_spills(warmed):
 
 
 def test_cluster_kernels_are_sm90_only(warmed):
-    clusters = [s for s, _ in warmed["jobs"] if getattr(s, "split", "") == "cluster"]
+    clusters = [s for s, _ in warmed["jobs"] if getattr(s, "split", "") in ("cluster", "persist")]
     assert clusters and all((s.uri, "sm_80") not in warmed["entries"] for s in clusters)
 
 
@@ -479,15 +529,28 @@ def test_main_kernels_use_128_bit_loads_and_stores(sass):
     families = {uri.split("/")[0] for uri, _ in sass}
     assert families >= {"norm", "norm_bwd", "softmax", "softmax_bwd", "softmax_cols"}
     for (uri, arch), text in sass.items():
-        assert "LDG.E.128" in text, f"{uri} [{arch}]: no 128-bit global load"
+        load = "LDS.128" if ".ps" in uri else "LDG.E.128"  # persistent: rows land in shared memory
+        assert load in text, f"{uri} [{arch}]: no 128-bit {load}"
         assert "STG.E.128" in text, f"{uri} [{arch}]: no 128-bit global store"
 
 
 def test_cluster_kernels_exchange_through_the_cluster(sass):
-    clusters = {k: t for k, t in sass.items() if ".cl" in k[0]}
+    clusters = {k: t for k, t in sass.items() if ".cl" in k[0] or ".ps" in k[0]}
     assert clusters and all(arch == "sm_90" for _, arch in clusters)
     for (uri, _), text in clusters.items():
         assert "UCGABAR_ARV" in text and "UCGABAR_WAIT" in text, uri
     for (uri, arch), text in sass.items():
-        if ".cl" not in uri:
+        if (uri, arch) not in clusters:
             assert "UCGABAR" not in text, uri
+
+
+def test_persistent_kernels_stage_rows_by_bulk_copies_and_push_statistics(sass):
+    """The persistent cluster's rows arrive by bulk copies (UBLKCP) on mbarriers, its statistics
+    go to the other blocks by asynchronous shared-memory stores (STAS), and the cluster barrier
+    (whose release waits for every store in flight) runs only at start and exit: twice."""
+    persist = {k: t for k, t in sass.items() if ".ps" in k[0]}
+    assert {uri.split("/")[0] for uri, _ in persist} == {"norm", "softmax"}
+    for (uri, _), text in persist.items():
+        assert "UBLKCP.S.G" in text and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in text, uri
+        assert "STAS.128" in text and text.count("UCGABAR_ARV") == 2, uri
+        assert "LDS.128" in text and "STG.E.128" in text, uri

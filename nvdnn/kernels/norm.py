@@ -10,7 +10,10 @@ vectors of ``vec`` elements each, loaded once with 16-byte loads, reduced with w
   long:  a row split across blocks: a thread-block cluster of up to 8 blocks that exchange
          their statistics through distributed shared memory (sm_90, forward), or two passes:
          "stats" writes per-block partial statistics (float32 scratch), "apply" combines them
-         in order and writes the row (reads it twice).
+         in order and writes the row (reads it twice). On sm_90 the cluster is persistent
+         ("persist"): a grid of as many clusters as fit at once walks the rows, each block
+         always holding the same chunk of them, and bulk copies bring its chunk of the next
+         rows into shared memory while it combines and writes this one (see PERSIST_SMS).
 
 Backward norm kernels loop over rows (a fixed grid) and keep each thread's dgamma / dbeta
 column partials in registers; a second kernel sums those partials in a fixed order: no
@@ -42,7 +45,7 @@ TPRS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RPBS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NVS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
-SPLITS = ("none", "cluster", "stats", "apply")
+SPLITS = ("none", "cluster", "persist", "stats", "apply")
 CLUSTERS = (1, 2, 4, 8, 16)      # 8: the largest portable cluster; 16 needs an opt-in (runtime)
 MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
 MAX_LEAD = 3
@@ -52,7 +55,21 @@ BACKWARD_EPT = 16                # backward kernels hold two rows (and column pa
 # norm, 128 threads x 4 vectors 68.6 us against 256 x 2 at 72.6 (RMS norm and softmax equal).
 WIDE_ROW = 512
 PERSISTENT_BLOCKS = 264          # backward norm grid: two blocks per H200 multiprocessor
+# Split "persist": the multiprocessors a grid of clusters fills (H100 / H200: 132, in 8 GPCs of
+# at least 16; a cluster stays within one), so 128 / cluster clusters are co-resident. Each block
+# runs alone on its multiprocessor (1024 threads, STAGES chunks of shared memory) and keeps its
+# next rows' chunks in flight while it combines and writes this one: the memory system never
+# waits for a block barrier. Prediction, 256 x 262144 bf16 (268 MB): 16 clusters of 8 stream at
+# the copy rate, 4.25 TB/s = 63 us, plus filling and draining one row per block (1/16 of the
+# work): ~70 us, against 103 (RMS norm) to 151 (layer norm) for one row per cluster.
+PERSIST_SMS = 128
+PERSIST_STAGES = (1, 2, 3, 4)
+PERSIST_SHARED = 227 * 1024 - 2048  # dynamic shared memory a block may stage (H100 / H200 opt-in 227 KB)
 _INT32_LIMIT = 2 ** 31 - 1
+
+
+# the templates' typedefs of row and column operands
+OPERAND_TYPES = {"x": "x_t", "residual": "r_t", "mask": "m_t", "dy": "dy_t", "y": "y_t", "gamma": "g_t", "beta": "b_t"}
 
 
 def _itemsize(dtype: str) -> int:
@@ -84,14 +101,15 @@ class RowSpec(KernelSpec):
     nv: int                  # vectors per thread
     tpr: int                 # threads per row (per row chunk when the row is split)
     rpb: int = 1             # rows per block
-    split: str = "none"      # none | cluster | stats | apply (see the module docstring)
-    cluster: int = 1         # blocks per row for split == "cluster"
+    split: str = "none"      # none | cluster | persist | stats | apply (see the module docstring)
+    cluster: int = 1         # blocks per row for split "cluster" and "persist"
+    stages: int = 0          # split "persist": rows in flight per block (shared-memory chunks)
     min_blocks: int = 1      # __launch_bounds__ occupancy hint
     lead: int = 1            # coalesced lead dims the row index is split into
     access: str = "u"        # per row operand: u (contiguous), s (strided, vec 1), z (one value per row)
     index: str = "int32"     # type of element offsets
 
-    tile_fields = ("nv", "tpr", "rpb", "split", "cluster", "min_blocks")
+    tile_fields = ("nv", "tpr", "rpb", "split", "cluster", "stages", "min_blocks")
     SPLITS_ALLOWED = SPLITS
     MAX_EPT = FORWARD_EPT
 
@@ -122,9 +140,12 @@ class RowSpec(KernelSpec):
                                   "thread", arg="nv")
         if self.split != "none" and self.rpb != 1:
             raise ValidationError(f"rpb: a split row ({self.split}) takes one row per block", arg="rpb")
-        if (self.split == "cluster") != (self.cluster > 1):
+        if (self.split in ("cluster", "persist")) != (self.cluster > 1):
             raise ValidationError(f"cluster: {self.cluster} blocks does not fit split {self.split!r} (a cluster "
-                                  "is 2 to 16 blocks, and only split 'cluster' has one)", arg="cluster")
+                                  "is 2 to 16 blocks, and only splits 'cluster' and 'persist' have one)", arg="cluster")
+        if (self.split == "persist") != (self.stages > 0):
+            raise ValidationError(f"stages: {self.stages} does not fit split {self.split!r} (only 'persist' stages "
+                                  "rows, 1 to 4)", arg="stages")
         ops = self.row_operands()
         first = _itemsize(ops[0][1])
         if self.vec * first > 16:
@@ -136,6 +157,22 @@ class RowSpec(KernelSpec):
             one_of(a, ("u", "s", "z") if name == "mask" else ("u", "s"), f"access.{name}")
         if "s" in self.access and self.vec != 1:
             raise ValidationError("vec: strided row elements are read one at a time (vec 1)", arg="vec")
+        if self.split == "persist":
+            self.validate_persist()
+
+    def validate_persist(self) -> None:
+        one_of(self.stages, PERSIST_STAGES, "stages")
+        if self.cluster > 8:
+            raise ValidationError(f"cluster: a persistent grid takes portable clusters (up to 8 blocks), not "
+                                  f"{self.cluster}", arg="cluster")
+        for (name, dtype), a in zip(self.row_operands(), self.access):
+            if a == "u" and self.vec * _itemsize(dtype) % 16:
+                raise ValidationError(f"vec: bulk copies move 16-byte units; {self.vec} elements of {name} "
+                                      f"({dtype}) are {self.vec * _itemsize(dtype)} bytes", arg="vec")
+        if self._row_stage_bytes() > PERSIST_SHARED:
+            raise ValidationError(f"stages: {self.stages} chunks of {self.tpr * self.nv * self.vec} elements take "
+                                  f"{self.stage_bytes} bytes of shared memory, more than {PERSIST_SHARED}",
+                                  arg="stages")
 
     def validate_options(self) -> None:  # pragma: no cover - every family overrides it
         raise NotImplementedError
@@ -149,9 +186,40 @@ class RowSpec(KernelSpec):
         """Row elements one block (or cluster) holds: rows up to this length fit split none/cluster."""
         return self.tpr * self.nv * self.vec * self.cluster
 
+    def column_operands(self) -> list[tuple[str, str]]:
+        """(name, dtype) of the operands read per column (gamma, beta), the same for every row."""
+        return []
+
+    def staged(self) -> list[tuple[str, str]]:
+        """(name, dtype) of the row operands that split "persist" copies into shared memory."""
+        if self.split != "persist":
+            return []
+        return [op for op, a in zip(self.row_operands(), self.access) if a == "u"]
+
+    def staged_columns(self) -> list[tuple[str, str]]:
+        """The column operands a persistent block copies into shared memory once (its chunk of
+        them serves every row): all, where whole 16-byte vectors and the shared memory allow."""
+        cols = self.column_operands() if self.split == "persist" else []
+        chunk = self.tpr * self.nv * self.vec
+        if (not cols or any(self.vec * _itemsize(d) % 16 for _, d in cols)
+                or self._row_stage_bytes() + chunk * sum(_itemsize(d) for _, d in cols) > PERSIST_SHARED):
+            return []
+        return cols
+
+    def _row_stage_bytes(self) -> int:
+        return self.stages * self.tpr * self.nv * self.vec * sum(_itemsize(d) for _, d in self.staged())
+
+    @property
+    def stage_bytes(self) -> int:
+        """Dynamic shared memory of a launch: STAGES chunks of every staged row operand, and one
+        of every staged column operand."""
+        chunk = self.tpr * self.nv * self.vec
+        return self._row_stage_bytes() + chunk * sum(_itemsize(d) for _, d in self.staged_columns())
+
     @property
     def tile_uri(self) -> str:
-        split = {"none": "", "cluster": f".cl{self.cluster}", "stats": ".stats", "apply": ".apply"}[self.split]
+        split = {"none": "", "cluster": f".cl{self.cluster}", "persist": f".ps{self.cluster}x{self.stages}",
+                 "stats": ".stats", "apply": ".apply"}[self.split]
         return (f"v{self.vec}n{self.nv}t{self.tpr}r{self.rpb}{split}.m{self.min_blocks}"
                 f".l{self.lead}{self.access}.{self.index}")
 
@@ -175,12 +243,24 @@ class RowSpec(KernelSpec):
         return tuple(role for role, _ in self.pointer_table())
 
     def row_context(self) -> dict:
-        ops = [{"name": n, "access": a} for (n, _), a in zip(self.row_operands(), self.access)]
+        ops = [{"name": n, "access": a, "type": OPERAND_TYPES[n], "size": _itemsize(d)}
+               for (n, d), a in zip(self.row_operands(), self.access)]
+        names = [n for n, _ in self.staged()]
+        staged = [o for o in ops if o["name"] in names]
+        before = 0
+        for o in staged:
+            o["before"], before = before, before + o["size"]
+        columns, after = [], 0
+        for n, d in self.staged_columns():
+            columns.append({"name": n, "type": OPERAND_TYPES[n], "size": _itemsize(d), "before": after})
+            after += _itemsize(d)
         return {
             "index_t": "int" if self.index == "int32" else "long long",
             "vec": self.vec, "nv": self.nv, "tpr": self.tpr, "rpb": self.rpb, "split": self.split,
-            "cluster": self.cluster, "min_blocks": self.min_blocks, "lead": self.lead,
-            "row_ops": ops, "op": {o["name"]: o for o in ops},
+            "cluster": self.cluster, "stages": self.stages, "min_blocks": self.min_blocks, "lead": self.lead,
+            "row_ops": ops, "op": {o["name"]: o for o in ops}, "staged": staged,
+            "unstaged": [o for o in ops if o not in staged], "staged_bytes": before, "columns": columns,
+            "columns_bytes": after,
             "kernel_params": [decl for _, decl in self.pointer_table()]
             + [f"{ctype} {name}" for name, ctype in self.scalar_table()],
         }
@@ -212,6 +292,11 @@ class NormSpec(RowSpec):
 
     def row_operands(self):
         return [("x", self.x)] + ([("residual", self.residual)] if self.residual else [])
+
+    def column_operands(self):
+        if self.split == "stats":
+            return []
+        return [(n, d) for n, d in (("gamma", self.gamma), ("beta", self.beta)) if d]
 
     def validate_options(self) -> None:
         one_of(self.kind, ("layer", "rms"), "kind")
@@ -683,6 +768,7 @@ class Tile(NamedTuple):
     split: str = "none"
     cluster: int = 1
     min_blocks: int = 1
+    stages: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -695,11 +781,14 @@ def _min_blocks(block: int, threads: int) -> int:
     return max(m for m in MIN_BLOCKS if m <= want)
 
 
-def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, max_tpr: int = 1024) -> Tile:
+def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged: tuple = (0, 0),
+               max_tpr: int = 1024) -> Tile:
     """Threads per row for about two vectors (forward; four from rows of WIDE_ROW vectors) or
     one (backward) each, at most four vectors (and FORWARD_EPT / BACKWARD_EPT elements) a
     thread: more spill at 1024 threads; a warp per row up to 1024 16-bit elements. Rows per
-    block up to 256 threads; past a block's reach, a cluster (forward, sm_90) or two passes."""
+    block up to 256 threads; past a block's reach, a persistent cluster (forward, sm_90, rows
+    of whole 16-byte vectors: ``staged``, bytes an element of the row operands to copy, 0 where
+    they are not, and of the column operands), a cluster (``cluster_ok``) or two passes."""
     ept = BACKWARD_EPT if backward else FORWARD_EPT
     most = max(1, min(4, ept // vec))
     target = 1 if backward else min(most, 4 if nvecs >= WIDE_ROW else 2)
@@ -711,15 +800,29 @@ def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, max_tp
     if nv <= most:
         rpb = max(1, 256 // tpr)
         return Tile(tpr, nv, rpb, "none", 1, _min_blocks(tpr * rpb, threads))
-    if cluster_ok and not backward:
+    if (cluster_ok or staged[0]) and not backward:
         # Every block of the cluster holds part of the row. With idle blocks (layer / RMS norm,
         # float32, 2 x 40000 on a cluster of 8, three blocks idle) the H200 faulted at random,
         # and not under compute-sanitizer; cause not found, so those shapes take two passes.
         for nv in (n for n in NVS if target <= n <= most):
             for cl in CLUSTERS[1:]:
                 if cl * 1024 * nv >= nvecs > (cl - 1) * 1024 * nv:
-                    return Tile(1024, nv, 1, "cluster", cl, 1)
+                    stages = _persist_stages(1024 * nv * vec, *staged) if cl <= 8 else 0
+                    if stages:
+                        return Tile(1024, nv, 1, "persist", cl, 1, stages)
+                    if cluster_ok:
+                        return Tile(1024, nv, 1, "cluster", cl, 1)
     return Tile(512, target, 1, "apply", 1, _min_blocks(512, threads))
+
+
+def _persist_stages(chunk: int, row_bytes: int, column_bytes: int) -> int:
+    """Rows in flight for a persistent block of ``chunk`` elements a row: two where they fit
+    beside the column operands' chunk (staged once: no loads in the output loop), else one
+    (0: not even one, or nothing to stage)."""
+    if not row_bytes:
+        return 0
+    room = PERSIST_SHARED - chunk * column_bytes
+    return min(2, (room if room >= chunk * row_bytes else PERSIST_SHARED) // (chunk * row_bytes))
 
 
 def _cluster_ok(arch: str | None) -> bool:
@@ -729,18 +832,35 @@ def _cluster_ok(arch: str | None) -> bool:
     return arch_number(parse_arch(arch)) >= 90
 
 
-def _tile_of(spec: RowSpec, layout: _Rows, vec: int, kind: type, backward: bool, arch: str | None) -> Tile:
+def _staged_bytes(layout: _Rows, vec: int, operands: dict, columns: list) -> tuple[int, int]:
+    """Bytes an element of the row operands a persistent block copies into shared memory (0
+    when bulk copies cannot move them: a vector is not a whole 16 bytes), and of the column
+    operands (0 when they stay in global memory)."""
+    ops = [op for name, op in operands.items() if layout.access[name] == "u"]
+    if any(vec * _itemsize(op.dtype) % 16 for op in ops) or "s" in layout.access.values():
+        return 0, 0
+    whole = not any(vec * _itemsize(op.dtype) % 16 for op in columns)
+    return sum(_itemsize(op.dtype) for op in ops), sum(_itemsize(op.dtype) for op in columns) if whole else 0
+
+
+def _tile_of(spec: RowSpec, layout: _Rows, vec: int, kind: type, backward: bool, arch: str | None,
+             operands: dict | None = None, columns: list = (), cluster: bool = True) -> Tile:
+    """The tile of a plan: ``spec``'s, or the heuristic's for ``arch`` (None: any arch); forward
+    plans give their row ``operands`` and ``columns`` (persistent clusters) and whether a plain
+    cluster may serve."""
     nvecs = layout.L // vec
     if spec is None:
+        sm90 = _cluster_ok(arch)
+        staged = _staged_bytes(layout, vec, operands, list(columns)) if sm90 and operands else (0, 0)
         # Norm backward threads also hold their columns' dgamma / dbeta partials: 512 at most.
-        return _heuristic(nvecs, vec, backward=backward, cluster_ok=_cluster_ok(arch),
+        return _heuristic(nvecs, vec, backward=backward, cluster_ok=sm90 and cluster, staged=staged,
                           max_tpr=512 if kind is NormBackwardSpec else 1024)
     if not isinstance(spec, kind):
         raise ValidationError(f"tile: a {type(spec).__name__} is not a tile of this op ({kind.__name__})", arg="tile")
     # Either launch of a two-pass plan names its tile (kernels.tile_spec gives the first).
     split = "apply" if spec.split == "stats" else spec.split
-    t = Tile(spec.tpr, spec.nv, spec.rpb, split, spec.cluster, spec.min_blocks)
-    if t.split in ("none", "cluster") and t.tpr * t.nv * t.cluster < nvecs:
+    t = Tile(spec.tpr, spec.nv, spec.rpb, split, spec.cluster, spec.min_blocks, spec.stages)
+    if t.split in ("none", "cluster", "persist") and t.tpr * t.nv * t.cluster < nvecs:
         raise ValidationError(f"tile: {spec.uri} holds {t.tpr * t.nv * t.cluster} vectors of {vec}, the rows "
                               f"have {nvecs}", arg="tile")
     return t
@@ -778,10 +898,12 @@ def _row_launches(make, tile: Tile, layout: _Rows, vec: int, values: dict, k: in
     nvecs = layout.L // vec
     geometry = dict(vec=vec, nv=tile.nv, tpr=tile.tpr, rpb=tile.rpb, min_blocks=tile.min_blocks,
                     lead=len(layout.lead))
-    if tile.split in ("none", "cluster"):
-        spec = make(**geometry, split=tile.split, cluster=tile.cluster)
-        grid = -(-layout.rows // tile.rpb) if tile.split == "none" else layout.rows * tile.cluster
-        return (Launch(spec, (grid, 1, 1), (spec.block, 1, 1), 0, spec.pointers(), _scalar_values(spec, values)),), ()
+    if tile.split in ("none", "cluster", "persist"):
+        spec = make(**geometry, split=tile.split, cluster=tile.cluster, stages=tile.stages)
+        grid = {"none": -(-layout.rows // tile.rpb), "cluster": layout.rows * tile.cluster,
+                "persist": min(layout.rows, PERSIST_SMS // tile.cluster) * tile.cluster}[tile.split]
+        return (Launch(spec, (grid, 1, 1), (spec.block, 1, 1), spec.stage_bytes, spec.pointers(),
+                       _scalar_values(spec, values)),), ()
     chunks = -(-nvecs // (tile.tpr * tile.nv))
     values = dict(values, n_chunks=chunks)
     stats = make(**geometry, split="stats", cluster=1, stats=True)
@@ -855,9 +977,11 @@ def _plan_norm(kind, x, normalized_ndim, *, gamma, beta, residual, write_sum, sa
     extra = [(_itemsize(out), out_align)] + ([(_itemsize(x.dtype), out_align)] if write_sum else [])
     extra += [(_itemsize(op.dtype), op.align) for op in (gamma, beta) if op is not None]
     vec = _pick_vec(x.dtype, layout, operands, extra)
-    # Layer norm rows past a block's reach take two passes, not a cluster: on the H200 (256 x 262144
-    # bf16) the cluster of 8 ran 151 us, two passes of 512 x 4 vectors 131 (RMS norm: 103 against 132).
-    t = _tile_of(tile, layout, vec, NormSpec, False, arch if kind == "rms" else None)
+    # Layer norm rows past a block's reach take a persistent cluster or two passes, not a plain
+    # cluster: on the H200 (256 x 262144 bf16) the cluster of 8 ran 151 us, two passes of 512 x 4
+    # vectors 131 (RMS norm: 103 against 132).
+    t = _tile_of(tile, layout, vec, NormSpec, False, arch, operands, [op for op in (gamma, beta) if op is not None],
+                 cluster=kind == "rms")
     index = _index(layout, t.tpr * t.nv * vec * t.cluster)
     access = "".join(layout.access[n] for n in operands)
     options = dict(kind=kind, x=x.dtype, residual=residual.dtype if residual is not None else "", index=index,
@@ -1066,7 +1190,7 @@ def plan_softmax(x: Operand, axis: int = -1, *, log: bool = False, mask: Operand
     operands = {"x": x} if mask is None else {"x": x, "mask": mask}
     layout = _row_layout(shape, len(shape) - axis, operands)
     vec = _pick_vec(x.dtype, layout, operands, [(_itemsize(out), out_align)])
-    t = _tile_of(tile, layout, vec, SoftmaxSpec, False, arch)
+    t = _tile_of(tile, layout, vec, SoftmaxSpec, False, arch, operands)
     options = dict(log=log, x=x.dtype, mask=mask.dtype if mask is not None else "", causal=causal,
                    index=_index(layout, t.tpr * t.nv * vec * t.cluster),
                    access="".join(layout.access[n] for n in operands))
@@ -1152,10 +1276,14 @@ def candidates(spec: KernelSpec) -> list[KernelSpec]:
                 continue
             rpbs = [max(1, b // tpr) for b in (128, 256, 512)] if spec.split == "none" else [1]
             for rpb in dict.fromkeys(rpbs):
-                add(tpr=tpr, nv=nv, rpb=rpb, cluster=cl, split="cluster" if cl > 1 else "none",
+                add(tpr=tpr, nv=nv, rpb=rpb, cluster=cl, split="cluster" if cl > 1 else "none", stages=0,
                     min_blocks=_min_blocks(tpr * rpb, threads))
-    if spec.split == "cluster":  # the portable two-pass form of the same work
-        add(tpr=512, nv=min(2, most), rpb=1, cluster=1, split="apply", min_blocks=_min_blocks(512, threads))
+    if spec.split in ("cluster", "persist"):
+        # the persistent cluster at each depth that fits (layer norm: one row in flight with
+        # gamma and beta staged, or two without), and the portable two-pass form of the same work
+        for stages in PERSIST_STAGES:
+            add(split="persist", stages=stages)
+        add(tpr=512, nv=min(2, most), rpb=1, cluster=1, split="apply", stages=0, min_blocks=_min_blocks(512, threads))
     return list(out)
 
 
@@ -1163,8 +1291,8 @@ def unsupported_reason(spec: KernelSpec, arch: str) -> str | None:
     """Why ``arch`` cannot run ``spec``, or None."""
     from ..compiler import arch_number
     number = arch_number(arch)
-    if getattr(spec, "split", "none") == "cluster" and number < 90:
-        return "thread-block clusters need sm_90 or later"
+    if getattr(spec, "split", "none") in ("cluster", "persist") and number < 90:
+        return "thread-block clusters (and bulk copies) need sm_90 or later"
     names = [getattr(spec, f.name) for f in dataclasses.fields(spec) if isinstance(getattr(spec, f.name), str)]
     if "bfloat16" in names and number < 80:
         return "bfloat16 arithmetic needs sm_80 or later"

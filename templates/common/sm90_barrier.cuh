@@ -51,4 +51,26 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// Four floats written into block ``cta``'s shared memory at ``dst``'s offset, 16 bytes completing
+// on its barrier at ``bar``'s offset: a distributed shared memory push that needs no cluster
+// barrier (the receiver waits on its own mbarrier).
+__device__ __forceinline__ void st_async_cluster(void* dst, const float (&v)[4], unsigned long long* bar, unsigned cta) {
+  unsigned rdst, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rdst) : "r"(smem_addr(dst)), "r"(cta));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_addr(bar)), "r"(cta));
+  // "{ %1": a space keeps the PTX vector braces from reading as a Jinja tag
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], { %1, %2, %3, %4 }, [%5];"
+               :: "r"(rdst), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(rbar) : "memory");
+}
+// mbar_wait with cluster-scope acquire: for a phase completed by other blocks' st_async_cluster
+// pushes, whose data the waiting threads then read.
+__device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsigned parity) {
+  unsigned done = 0;
+  const unsigned addr = smem_addr(bar);
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+                 "selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  }
+}
 }  // namespace nvdnn

@@ -24,4 +24,13 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* dst, const TmaDesc* 
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
+// A contiguous run of ``bytes`` (a multiple of 16, both addresses 16-byte aligned) copied from
+// global memory into this block's shared memory by the bulk copy engine, no tensor map needed;
+// the bytes complete on ``bar`` (announced there by an expect_tx arrival).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(reinterpret_cast<unsigned long long>(src)),
+                  "r"(bytes), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
 }  // namespace nvdnn
