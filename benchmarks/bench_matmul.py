@@ -30,11 +30,12 @@ DATASHEET_BF16 = 990.0
 # (name, dtype, size, epilogue, precision)
 CASES = [("bf16", "bfloat16", 8192, "plain", ""), ("bf16", "bfloat16", 4096, "plain", ""),
          ("fp16", "float16", 8192, "plain", ""), ("fp16", "float16", 4096, "plain", ""),
-         ("bf16+bias+gelu", "bfloat16", 8192, "bias_gelu", ""), ("bf16+bias+gelu", "bfloat16", 4096, "bias_gelu", ""),
+         ("bf16+bias", "bfloat16", 8192, "bias", ""), ("bf16+bias+gelu", "bfloat16", 8192, "bias_gelu", ""),
+         ("bf16+bias+gelu", "bfloat16", 4096, "bias_gelu", ""),
          ("fp8e4m3+bias+relu+amax", "float8_e4m3", 8192, "bias_relu_amax", ""),
          ("fp8e4m3+bias+relu+amax-fast", "float8_e4m3", 8192, "bias_relu_amax", "fast"),
          ("tf32", "float32", 8192, "plain", "tf32"), ("fp32", "float32", 4096, "plain", "exact")]
-QUICK = {("bf16", 8192), ("bf16", 4096), ("fp16", 8192), ("fp16", 4096), ("bf16+bias+gelu", 8192),
+QUICK = {("bf16", 8192), ("bf16", 4096), ("fp16", 8192), ("fp16", 4096), ("bf16+bias", 8192), ("bf16+bias+gelu", 8192),
          ("fp8e4m3+bias+relu+amax", 8192), ("fp8e4m3+bias+relu+amax-fast", 8192), ("tf32", 8192)}
 
 
@@ -46,8 +47,8 @@ def plans(dtype, size, epilogue, precision, sms=132):
     a = Operand(dtype, (size, size), (size, 1))
     w = Operand(dtype, (size, size), (1, size))        # B = w.T, w (N, K) row-major
     kw = dict(precision=precision or "exact", arch="sm_90", sms=sms)
-    if epilogue == "bias_gelu":
-        kw.update(bias=Operand(dtype, (size,), (1,)), epilogue=[("gelu", "")])
+    if epilogue in ("bias", "bias_gelu"):
+        kw.update(bias=Operand(dtype, (size,), (1,)), epilogue=[("gelu", "")] if epilogue == "bias_gelu" else [])
     if epilogue == "bias_relu_amax":
         kw.update(bias=Operand("bfloat16", (size,), (1,)), epilogue=[("relu", "")], params=(0.0, math.inf), amax=True,
                   out_dtype="bfloat16")
@@ -98,8 +99,10 @@ def _torch_fn(torch, name, dtype, t, x, w, precision):
     xt = torch.as_tensor(np.asarray(x, dtype=np.float32), device=dev).to(tdt)
     wt = torch.as_tensor(np.asarray(w, dtype=np.float32), device=dev).to(tdt)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    if "gelu" in name:
+    if "bias" in name:
         bt = torch.as_tensor(t["bias"].get().astype(np.float32), device=dev).to(tdt)
+        if "gelu" not in name:
+            return lambda _: torch.addmm(bt, xt, wt.t())
         return lambda _: F.gelu(torch.addmm(bt, xt, wt.t()))
     return lambda _: xt @ wt.t()
 
