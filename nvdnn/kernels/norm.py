@@ -1306,9 +1306,10 @@ PRESET_ROWS = (128, 1024, 4096, 16384, 262144)  # row lengths: one per tile clas
 
 def preset() -> list[KernelSpec]:
     """The kernels the functional API runs on contiguous, aligned tensors: every dtype and op at
-    each row-length class (long rows both as a cluster for sm_90 and in two passes), training
-    (saved statistics) and inference forms, backward passes, and the common fused options at
-    4096 (residual add, GELU epilogue, a cast to bfloat16, a softmax mask, causal)."""
+    each row-length class (long rows both as sm_90 plans them, a persistent cluster or, for
+    float32, a cluster of 16, and in two passes), training (saved statistics) and inference
+    forms, backward passes, and the common fused options at 4096 (residual add, GELU epilogue,
+    a cast to bfloat16, a softmax mask, causal)."""
     specs: dict[KernelSpec, None] = {}
 
     def add(plan: Plan) -> None:
