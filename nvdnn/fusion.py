@@ -8,7 +8,9 @@ output is the group's ``output`` (a user array, or workspace when virtual).
 An anchor group (norm, reduce, pool: nvdnn.graph.anchors) is one anchor node plus the
 unary / scalar pointwise nodes after its main output (the epilogue) and, for ops that take a
 residual, the ``add`` that feeds its ``x`` (the prologue). Its other outputs (saved statistics)
-are written too, to the workspace when virtual.
+are written too, to the workspace when virtual. A whole-tensor reduction of the group's output
+that the anchor ``folds`` (matmul: amax) joins the group as one more output: the kernel reduces
+the values as it writes them, with no second pass.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class KernelGroup:
     anchor: object = None                        # the anchor node, for anchor groups
     roles: dict = field(default_factory=dict)    # anchor groups: input role -> Tensor
     prologue: object = None                      # the add folded in as a residual
+    folded: list = field(default_factory=list)   # reduction nodes of the output folded into the anchor
 
     @property
     def output(self):
@@ -37,10 +40,11 @@ class KernelGroup:
     @property
     def outputs(self) -> list:
         """Every tensor the group writes: the main output first, then an anchor's other outputs."""
-        return [self.output] + (list(self.anchor.outputs[1:]) if self.anchor is not None else [])
+        return ([self.output] + (list(self.anchor.outputs[1:]) if self.anchor is not None else [])
+                + [n.output for n in self.folded])
 
     def describe(self) -> str:
-        ops = " -> ".join(n.op for n in ([self.prologue] if self.prologue else []) + self.nodes)
+        ops = " -> ".join(n.op for n in ([self.prologue] if self.prologue else []) + self.nodes + self.folded)
         ins = ", ".join(t.name for t in (self.roles.values() if self.anchor is not None else self.inputs))
         return f"{self.family}[{ops}]({ins}) -> {', '.join(t.name for t in self.outputs)}"
 
@@ -106,6 +110,15 @@ def _anchor_group(node, consumers, open_chain, groups) -> KernelGroup:
     return group
 
 
+def _folds(group, node) -> bool:
+    """``node`` reduces all of the group's output, in float32, and its anchor folds that reduction
+    (not an fp8 output: the kernel reduces the values before their quantization)."""
+    return (group is not None and group.anchor is not None and node.op in ANCHORS[group.anchor.op].folds
+            and node.inputs[0] is group.output and dict(node.attrs).get("axes") is None
+            and node.output.data_type == "float32" and not group.output.data_type.startswith("float8")
+            and node not in group.folded)
+
+
 def partition(nodes, consumers) -> list[KernelGroup]:
     """Kernel groups in execution order. ``consumers[uid]`` lists (node, input position).
 
@@ -114,6 +127,10 @@ def partition(nodes, consumers) -> list[KernelGroup]:
     groups: list[KernelGroup] = []
     open_chain: dict[int, KernelGroup] = {}  # uid of a group's current output -> group
     for node in nodes:
+        if node.op in ANCHORS and node.inputs and _folds(open_chain.get(node.inputs[0].uid), node):
+            group = open_chain.pop(node.inputs[0].uid)  # its output is read: no epilogue after it
+            group.folded.append(node)
+            continue
         if node.op in ANCHORS:
             group = _anchor_group(node, consumers, open_chain, groups)
             groups.append(group)
@@ -145,4 +162,4 @@ def partition(nodes, consumers) -> list[KernelGroup]:
             groups.append(group)
         open_chain[node.output.uid] = group
     order = {id(node): i for i, node in enumerate(nodes)}
-    return sorted(groups, key=lambda g: order[id(g.nodes[-1])])
+    return sorted(groups, key=lambda g: order[id((g.folded or g.nodes)[-1])])

@@ -356,7 +356,8 @@ def test_unsupported_requests_are_refused_with_a_reason():
 
 def matmul_graphs(arch="sm_90"):
     """Graphs of the graph test (deviceless builds: the pre-warm compiles their chosen kernels):
-    bf16 x @ w.T + b -> GELU -> * 0.5 (wgmma, fused epilogue), and fp8 with scales -> ReLU."""
+    bf16 x @ w.T + b -> GELU -> * 0.5 (wgmma, fused epilogue), and fp8 with scales -> ReLU and
+    the amax of that (folded into the kernel)."""
     import nvdnn
     g = nvdnn.Graph(io_data_type="bfloat16", name="matmul_bias_gelu", arch=arch)
     x, w = g.tensor(dims=[3, 1000, 1032], name="x"), g.tensor(dims=[1032, 1029], strides=[1, 1032], name="w")
@@ -366,7 +367,8 @@ def matmul_graphs(arch="sm_90"):
     x8 = f.tensor(dims=[1000, 1024], data_type="float8_e4m3", name="x")
     w8 = f.tensor(dims=[1024, 1029], strides=[1, 1024], data_type="float8_e4m3", name="w")
     sa, sb = (f.tensor(dims=[1], data_type="float32", name=n) for n in ("sa", "sb"))
-    f.relu(f.matmul(x8, w8, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    y8 = f.relu(f.matmul(x8, w8, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    f.amax(y8, name="m").set_output(True).set_data_type("float32")
     return [g, f]
 
 
@@ -392,11 +394,13 @@ def test_graph_execute_and_capture():
     f.build()
     a8, a64 = _matrix(1000, 1024, "float8_e4m3", False, 0, rng, 2.0)
     w8, w864 = _matrix(1024, 1029, "float8_e4m3", True, 0, rng, 2.0)
-    y8 = cupy.full((1000, 1029), np.nan, ml_dtypes.bfloat16)
+    y8, m = cupy.full((1000, 1029), np.nan, ml_dtypes.bfloat16), cupy.full((), np.nan, cupy.float32)
+    assert len(f.groups) == 1  # the amax folded into the matmul
     f.execute({"x": a8, "w": w8, "sa": cupy.asarray([0.5], cupy.float32), "sb": cupy.asarray([3.0], cupy.float32),
-               "y": y8})
-    compare(y8.get().astype(np.float64), np.maximum(1.5 * (a64 @ w864), 0), "bfloat16",
-            f"fp8 graph [{f.candidates[0][f.chosen[0]].uri}]", 1024)
+               "y": y8, "m": m})
+    want8 = np.maximum(1.5 * (a64 @ w864), 0)
+    compare(y8.get().astype(np.float64), want8, "bfloat16", f"fp8 graph [{f.candidates[0][f.chosen[0]].uri}]", 1024)
+    assert math.isclose(float(m.get()), want8.max(), rel_tol=2e-3), (float(m.get()), want8.max())
 
 
 def test_out_must_hold_the_output_type_and_not_overlap_the_inputs():

@@ -252,6 +252,33 @@ def test_graph_takes_fp8_operands_with_their_scales():
         bad.validate().build_operation_graph().create_execution_plans()
 
 
+def test_graph_folds_the_amax_of_the_output_into_the_matmul():
+    import ml_dtypes
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+    x = g.tensor(dims=[128, 64], data_type="float8_e4m3", name="x")
+    w = g.tensor(dims=[64, 96], strides=[1, 64], data_type="float8_e4m3", name="w")
+    sa, sb = (g.tensor(dims=[1], data_type="float32", name=n) for n in ("sa", "sb"))
+    y = g.relu(g.matmul(x, w, scale_a=sa, scale_b=sb), name="y").set_output(True)
+    g.amax(y, name="m").set_output(True).set_data_type("float32")
+    g.validate().build_operation_graph().create_execution_plans()
+    assert len(g.groups) == 1 and g.groups[0].describe().endswith("-> y, m")
+    spec = g.candidates[0][0]
+    assert spec.kernel == "wgmma" and spec.amax and spec.epilogue == (("relu", ""),)
+    xs = RNG.uniform(-2, 2, (128, 64)).astype(ml_dtypes.float8_e4m3fn)
+    ws = RNG.uniform(-2, 2, (64, 96)).astype(ml_dtypes.float8_e4m3fn)
+    out, m = np.empty((128, 96), np.float32), np.empty((), np.float32)
+    g.execute({"x": xs.view(np.uint8), "w": ws.view(np.uint8), "sa": np.float32([0.5]), "sb": np.float32([3.0]),
+               "y": out, "m": m}, backend="numpy")
+    assert m == np.abs(out).max() > 0
+    # a partial reduction, or one of an fp8 output, stays a reduction kernel of its own
+    h = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+    a, b = h.tensor(dims=[128, 64], name="a"), h.tensor(dims=[64, 96], strides=[1, 64], name="b")
+    z = h.matmul(a, b, name="z").set_output(True)
+    h.amax(z, axes=[1], name="rows").set_output(True)
+    h.validate().build_operation_graph()
+    assert len(h.groups) == 2
+
+
 # -- requests the kernels cannot take are refused on the host ---------------------------------------
 
 def test_grids_past_cuda_limits_are_refused():

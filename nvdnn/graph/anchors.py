@@ -40,6 +40,8 @@ class AnchorOp:
     epilogue: bool = True                   # the main output takes a fused pointwise epilogue
     tiles: bool = True                      # the plan takes a tile: candidates for autotuning
     data_types: tuple = ()                  # types beyond the pointwise ones its tensors take (fp8)
+    folds: tuple = ()                       # whole-tensor reductions of its (epilogue's) output it computes
+                                            # as it writes it: an output role each (matmul: "amax")
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -82,6 +84,7 @@ class Epilogue(NamedTuple):
     out_align: int = 16
     tile: object = None
     arch: str | None = None
+    folds: tuple = ()     # the anchor's ``folds`` the graph folded in: their outputs are plan pointers
 
 
 ANCHORS: dict[str, AnchorOp] = {}
@@ -332,7 +335,7 @@ def _matmul_plan(a, o, e):
     return matmul.plan_matmul(o["a"], o["b"], bias=o.get("bias"), bias_axis=a["bias_axis"], residual=o.get("residual"),
                               alpha=a["alpha"], beta=a["beta"], epilogue=e.steps, params=e.params,
                               out_dtype=e.out_dtype, out_align=e.out_align, precision=a["precision"], arch=e.arch,
-                              tile=e.tile)
+                              tile=e.tile, amax="amax" in e.folds)
 
 
 def _scale(v, role):
@@ -347,5 +350,5 @@ register(
                                       beta=a["beta"], residual=v.get("residual"), scale_a=_scale(v, "scale_a"),
                                       scale_b=_scale(v, "scale_b"),
                                       scale_out=_scale(v, "scale_out") if "scale_out" in v else None),),
-             data_types=matmul.FP8),
+             data_types=matmul.FP8, folds=("amax",)),
 )

@@ -553,7 +553,8 @@ class Graph:
                 continue
             schema = ANCHORS[group.anchor.op]
             by_role = {**group.roles, schema.outputs[0]: group.output,
-                       **dict(zip(schema.outputs[1:], group.anchor.outputs[1:]))}
+                       **dict(zip(schema.outputs[1:], group.anchor.outputs[1:])),
+                       **{n.op: n.output for n in group.folded}}
             launches = []
             for lp in launch.launches:
                 slots, pointers = [], []
@@ -601,7 +602,7 @@ class Graph:
     def _anchor_plan(self, group, operands: dict, out_align: int = 16, tile=None):
         """The family plan of an anchor group for these operands (role -> Operand)."""
         epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile,
-                            self.arch)
+                            self.arch, tuple(n.op for n in group.folded))
         try:
             return ANCHORS[group.anchor.op].plan(dict(group.anchor.attrs), operands, epilogue)
         except ValidationError as exc:

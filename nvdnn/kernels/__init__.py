@@ -45,5 +45,6 @@ def family(name: str):
 
 
 def tile_spec(plan: Plan):
-    """The spec that names a plan among its candidates: its first launch's."""
-    return plan.launches[0].spec
+    """The spec that names a plan among its candidates: its first launch with a tile (a set-up
+    launch before it, such as zeroing an amax slot, has none)."""
+    return next((launch.spec for launch in plan.launches if launch.spec.tile_fields), plan.launches[0].spec)

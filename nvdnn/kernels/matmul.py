@@ -141,7 +141,7 @@ class MatmulSpec(KernelSpec):
     """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
     the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes)."""
     family = "matmul"
-    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster", "promote")
+    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
 
     kernel: str
     a_dtype: str
@@ -657,7 +657,6 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                 tiles = {f: getattr(tile, f) for f in MatmulSpec.tile_fields}
                 if kernel == "mma":
                     tiles["vec"] = fields["vec"]
-                tiles["promote"] = fields.get("promote", False)  # the request's accuracy, not the tile's
                 try:
                     return MatmulSpec(kernel=kernel, **base, **{**fields, **tiles})
                 except ValidationError:
