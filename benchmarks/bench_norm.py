@@ -1,12 +1,13 @@
 """Norm kernels (layer norm, RMS norm, softmax; forward and backward), nvdnn vs PyTorch in one
 process on the same inputs.
 
-    python benchmarks/bench_norm.py [--json FILE] [--no-sweep] [--targets long,medium]
+    python benchmarks/bench_norm.py [--json FILE] [--no-sweep] [--targets long,medium] [--occupancy]
 
 Effective bandwidth counts each input read once and each output written once (gamma / beta
 and saved statistics included). Long rows run every way: the persistent cluster (sm_90, the
 heuristic's), a cluster a row, and the portable two passes. The sweep times every tile
-candidate of the target workloads, and the persistent grid at fewer clusters than it takes.
+candidate of the target workloads, and the persistent grid at a cluster more and one fewer
+than it takes; --occupancy asks the driver how many persistent clusters are co-resident.
 """
 from __future__ import annotations
 
@@ -135,16 +136,40 @@ def torch_call(torch, kind: str, x, g, b, dy, y, mean, rstd):
 
 
 def _grids(plan):
-    """The plan, and for a persistent cluster the same with fewer clusters in its grid (are as
-    many co-resident as PERSIST_SMS assumes?): (plan, label) pairs."""
+    """The plan, and for a persistent cluster the same with one cluster more and one fewer in its
+    grid (does norm.PERSIST_CLUSTERS name the co-resident count?): (plan, label) pairs."""
     out = [(plan, "")]
     (launch, *rest) = plan.launches
     if launch.spec.split == "persist" and not rest:
         cl = launch.spec.cluster
-        for clusters in (launch.grid[0] // cl - 1, launch.grid[0] // cl - 2):
+        for clusters in (launch.grid[0] // cl + 1, launch.grid[0] // cl - 1):
             if clusters > 0:
                 out.append((plan._replace(launches=(launch._replace(grid=(clusters * cl, 1, 1)),)),
                             f" [{clusters} clusters]"))
+    return out
+
+
+def resident_clusters() -> list[dict]:
+    """The driver's count of co-resident clusters for each persistent cluster size (bf16 RMS norm
+    rows of 2, 4 and 8 blocks), against the grid norm.PERSIST_CLUSTERS plans."""
+    import cupy
+    from cuda.bindings import driver
+    device = cupy.cuda.runtime.getDevice()
+    out = []
+    for L in (65536, 131072, 262144):
+        x, g = Operand("bfloat16", (4096, L), (L, 1), 16), Operand("bfloat16", (L,), (1,), 16)
+        plan = norm.plan_rms_norm(x, 1, gamma=g, arch=compiler.device_arch(device))
+        (launch,) = plan.launches
+        fn = launcher.functions(plan, device)[0]
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = launch.block
+        config.sharedMemBytes = launch.shared_mem
+        config.numAttrs = 0
+        err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(fn.ptr), config)
+        out.append({"cluster": launch.spec.cluster, "shared_KB": launch.shared_mem // 1024,
+                    "co-resident": count if err == driver.CUresult.CUDA_SUCCESS else str(err),
+                    "planned": launch.grid[0] // launch.spec.cluster})
     return out
 
 
@@ -195,7 +220,11 @@ def main():
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated, e.g. bfloat16,float16,float32")
     parser.add_argument("--targets", default=",".join(t[0] for t in TARGETS),
                         help="comma-separated workloads: " + ", ".join(t[0] for t in TARGETS))
+    parser.add_argument("--occupancy", action="store_true", help="print co-resident persistent clusters, then stop")
     args, torch, device, copy = start(parser)
+    if args.occupancy:
+        print(table(resident_clusters(), ["cluster", "shared_KB", "co-resident", "planned"]))
+        return
     rows, tuning = [], []
     for dtype in args.dtypes.split(","):
         for label, n, L, target in (t for t in TARGETS if t[0] in args.targets.split(",")):

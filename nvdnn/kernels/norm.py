@@ -13,7 +13,7 @@ vectors of ``vec`` elements each, loaded once with 16-byte loads, reduced with w
          in order and writes the row (reads it twice). On sm_90 the cluster is persistent
          ("persist"): a grid of as many clusters as fit at once walks the rows, each block
          always holding the same chunk of them, and bulk copies bring its chunk of the next
-         rows into shared memory while it combines and writes this one (see PERSIST_SMS).
+         rows into shared memory while it combines and writes this one (see PERSIST_CLUSTERS).
 
 Backward norm kernels loop over rows (a fixed grid) and keep each thread's dgamma / dbeta
 column partials in registers; a second kernel sums those partials in a fixed order: no
@@ -55,14 +55,16 @@ BACKWARD_EPT = 16                # backward kernels hold two rows (and column pa
 # norm, 128 threads x 4 vectors 68.6 us against 256 x 2 at 72.6 (RMS norm and softmax equal).
 WIDE_ROW = 512
 PERSISTENT_BLOCKS = 264          # backward norm grid: two blocks per H200 multiprocessor
-# Split "persist": the multiprocessors a grid of clusters fills (H100 / H200: 132, in 8 GPCs of
-# at least 16; a cluster stays within one), so 128 / cluster clusters are co-resident. Each block
-# runs alone on its multiprocessor (1024 threads, STAGES chunks of shared memory) and keeps its
-# next rows' chunks in flight while it combines and writes this one: the memory system never
-# waits for a block barrier. Prediction, 256 x 262144 bf16 (268 MB): 16 clusters of 8 stream at
-# the copy rate, 4.25 TB/s = 63 us, plus filling and draining one row per block (1/16 of the
-# work): ~70 us, against 103 (RMS norm) to 151 (layer norm) for one row per cluster.
-PERSIST_SMS = 128
+# Split "persist": each block runs alone on its multiprocessor (1024 threads, STAGES chunks of
+# shared memory) and keeps its next rows' chunks in flight while it combines and writes this one:
+# the memory system never waits for a block barrier. The grid is as many clusters as are
+# co-resident (a cluster stays within one GPC): a cluster more runs after the others and doubles
+# the time. H200 (132 SMs), cuOccupancyMaxActiveClusters: 15 of 8 (16 of 8 ran 98-156 us at 256 x
+# 262144 bf16 against 73-90 at 15). Prediction there (268 MB): 15 x 8 = 120 SMs at the copy rate,
+# 4.25 TB/s = 63 us, plus filling and draining a row per block (18 rows the busiest cluster, 17.1
+# on average): ~70 us. Measured at 15: RMS norm 73 us (3.68 TB/s), layer norm 80 (3.35),
+# softmax 90 (2.99), against 103 / 151 / 126 for one row per cluster.
+PERSIST_CLUSTERS = {2: 64, 4: 30, 8: 15}
 PERSIST_STAGES = (1, 2, 3, 4)
 PERSIST_SHARED = 227 * 1024 - 2048  # dynamic shared memory a block may stage (H100 / H200 opt-in 227 KB)
 _INT32_LIMIT = 2 ** 31 - 1
@@ -900,8 +902,10 @@ def _row_launches(make, tile: Tile, layout: _Rows, vec: int, values: dict, k: in
                     lead=len(layout.lead))
     if tile.split in ("none", "cluster", "persist"):
         spec = make(**geometry, split=tile.split, cluster=tile.cluster, stages=tile.stages)
-        grid = {"none": -(-layout.rows // tile.rpb), "cluster": layout.rows * tile.cluster,
-                "persist": min(layout.rows, PERSIST_SMS // tile.cluster) * tile.cluster}[tile.split]
+        if tile.split == "persist":
+            grid = min(layout.rows, PERSIST_CLUSTERS[tile.cluster]) * tile.cluster
+        else:
+            grid = -(-layout.rows // tile.rpb) if tile.split == "none" else layout.rows * tile.cluster
         return (Launch(spec, (grid, 1, 1), (spec.block, 1, 1), spec.stage_bytes, spec.pointers(),
                        _scalar_values(spec, values)),), ()
     chunks = -(-nvecs // (tile.tpr * tile.nv))
