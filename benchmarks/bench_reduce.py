@@ -149,39 +149,41 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
     return _row(name, dtype, moved, t_ours, t_theirs, diff)
 
 
-BN_TARGET = (32, 256, 56, 56)  # fp16 NHWC inference + ReLU: x read once, y written once, 102.8 MB
+BN_TARGET = (32, 256, 56, 56)  # NHWC inference + ReLU: x read once, y written once (fp16: 102.8 MB)
+SWEEP_DTYPES = ("float16", "bfloat16", "float32")
 
 
-def bn_sweep_specs():
+def bn_sweep_specs(dtype):
     """The heuristic's affine spec of the batch-norm target and every tile candidate of it."""
-    x = Operand("float16", BN_TARGET, (math.prod(BN_TARGET[1:]), 1, BN_TARGET[3] * BN_TARGET[1], BN_TARGET[1]))
+    x = Operand(dtype, BN_TARGET, (math.prod(BN_TARGET[1:]), 1, BN_TARGET[3] * BN_TARGET[1], BN_TARGET[1]))
     base = _bn_plan("inference", x, BN_TARGET[1]).launches[0].spec
     return base, list(dict.fromkeys([base, *bn.candidates(base)]))
 
 
-def bn_tile_sweep(torch):
+def bn_tile_sweep(torch, dtype):
     """Every tile candidate of the batch-norm target, and what the same bytes cost elsewhere in
     the same process, timed the same way over the same tensors: PyTorch's y.copy_(x) and nvdnn's
     ReLU (a pointwise kernel, no coefficients)."""
     import cupy
 
     import nvdnn
-    count, xs, ys, extra = _bn_inputs(cupy, "inference", BN_TARGET, "NHWC", "float16")
-    moved = 2 * math.prod(BN_TARGET) * 2
+    count, xs, ys, extra = _bn_inputs(cupy, "inference", BN_TARGET, "NHWC", dtype)
+    moved = 2 * math.prod(BN_TARGET) * dtypes.BY_NAME[dtype].itemsize
     phys_x = [x.transpose(0, 2, 3, 1) for x in xs]  # (N, H, W, C), C-contiguous
     phys_y = [y.transpose(0, 2, 3, 1) for y in ys]
     rows = []
     if torch is not None:
         tx, ty = [torch.from_dlpack(a) for a in phys_x], [torch.from_dlpack(a) for a in phys_y]
-        rows.append(tile_row("ceiling: torch y.copy_(x)", False, time_ms(lambda i: ty[i].copy_(tx[i]), count), moved))
+        rows.append(tile_row("ceiling: torch y.copy_(x)", False, time_ms(lambda i: ty[i].copy_(tx[i]), count), moved,
+                             dtype=dtype))
     rows.append(tile_row("ceiling: nvdnn.relu(x, out=y)", False,
-                         time_ms(lambda i: nvdnn.relu(phys_x[i], out=phys_y[i]), count), moved))
-    base, specs = bn_sweep_specs()
+                         time_ms(lambda i: nvdnn.relu(phys_x[i], out=phys_y[i]), count), moved, dtype=dtype))
+    base, specs = bn_sweep_specs(dtype)
     x0 = operand(xs[0])
     for tile in specs:
         plan = _bn_plan("inference", x0, BN_TARGET[1], tile=tile)
         _, ms = _time_plan(cupy, plan, count, xs, ys, extra)
-        rows.append(tile_row(tile.uri.rsplit("/", 1)[1], tile == base, ms, moved))
+        rows.append(tile_row(tile.uri.rsplit("/", 1)[1], tile == base, ms, moved, dtype=dtype))
     return rows
 
 
@@ -190,7 +192,8 @@ def warm_sweep():
     import nvdnn
     from nvdnn import compiler, warm
     arch = compiler.device_arch()
-    report = warm.warm([(spec, arch) for spec in bn_sweep_specs()[1]], nvdnn.default_cache())
+    report = warm.warm([(spec, arch) for dtype in SWEEP_DTYPES for spec in bn_sweep_specs(dtype)[1]],
+                       nvdnn.default_cache())
     print(f"bn sweep kernels: {len(report.compiled)} compiled, {len(report.cached)} cached, "
           f"{len(report.failed)} failed in {report.seconds:.1f} s")
 
@@ -200,8 +203,10 @@ def main():
     parser.add_argument("--only", choices=["bn"], help="bn: the batch-norm tile sweep and batch-norm rows only")
     args, torch, device, copy = start(parser)
     warm_sweep()
-    sweep = bn_tile_sweep(torch)
-    print(table(sweep, ["tile", "us", "TB/s"]), flush=True)
+    sweep = []
+    for dtype in SWEEP_DTYPES:
+        sweep += bn_tile_sweep(torch, dtype)
+        print(table([r for r in sweep if r["dtype"] == dtype], ["dtype", "tile", "us", "TB/s"]), flush=True)
     rows = []
     for dtype in ("float16", "bfloat16", "float32"):
         rows.append(bench_batch_norm("bn+relu inference NHWC 32x256x56x56", "inference", (32, 256, 56, 56), "NHWC",

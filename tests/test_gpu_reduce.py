@@ -183,7 +183,7 @@ def test_batch_norm_inference(layout, dtype):
 
 # The affine pass's tiles at odd shapes: N = 1, C a multiple of 8, of 4, odd (fp16 vectors of 8,
 # 4, 1 channels), H and W odd, fewer rows than one tile, more than one grid-strided round.
-# (layout, x's dtype, shape, the parameters' dtype, every streaming hint or only "none")
+# (layout, x's dtype, shape, the parameters' dtype, streaming tiles too or plain ones only)
 TILE_CASES = [("NHWC", "float16", (4, 64, 33, 31), "float32", True),
               ("NHWC", "float16", (1, 24, 5, 3), "float32", False),
               ("NHWC", "float16", (2, 7, 5, 5), "float32", False), ("NHWC", "float16", (5, 40), "float32", False),
@@ -201,9 +201,9 @@ def _warm(specs) -> None:
     assert report.failed == [], report.failed[:2]
 
 
-@pytest.mark.parametrize("layout,dtype,shape,param,hints", TILE_CASES)
-def test_batch_norm_inference_every_tile(layout, dtype, shape, param, hints):
-    """Every autotune candidate of the affine pass (loops, pipelining, streaming hints) against
+@pytest.mark.parametrize("layout,dtype,shape,param,stream", TILE_CASES)
+def test_batch_norm_inference_every_tile(layout, dtype, shape, param, stream):
+    """Every autotune candidate of the affine pass (loops, pipelining, streaming accesses) against
     float64, with parameters aligned for vector loads and one element off (scalar loads)."""
     c = shape[1]
     x, x64 = _tensor(shape, dtype, layout)
@@ -216,7 +216,7 @@ def test_batch_norm_inference_every_tile(layout, dtype, shape, param, hints):
         args = [operand(a) for a in (x, *(v for v, _ in vectors))]
         base = bn.plan_batch_norm_inference(*args, eps=1e-3, **relu).launches[0].spec
         assert base.cvec == (1 if offset or base.layout == "row" else min(base.vec, widest))
-        tiles = [t for t in bn.candidates(base) if hints or t.hints == "none"]
+        tiles = [t for t in bn.candidates(base) if stream or not t.stream]
         cases += [(vectors, args, tile) for tile in tiles]
     _warm(tile for _, _, tile in cases)
     for vectors, args, tile in cases:

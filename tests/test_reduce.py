@@ -193,7 +193,7 @@ def test_other_specs_validate_and_round_trip():
     assert bn.AffineSpec(**stats, cvec=4).cvec == 4
     for bad, arg in ((dict(cvec=3), "cvec"), (dict(cvec=8), "cvec"), (dict(cvec=16), "cvec"),
                      (dict(cvec=4, layout="row"), "cvec"), (dict(cvec=2, vec=1), "cvec"),
-                     (dict(hints="nc"), "hints"), (dict(pipeline=1), "pipeline")):
+                     (dict(stream=1), "stream"), (dict(pipeline=1), "pipeline")):
         with pytest.raises(ValidationError) as info:
             bn.AffineSpec(**{**stats, **bad})
         assert info.value.arg == arg
