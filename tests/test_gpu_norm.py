@@ -51,6 +51,23 @@ def run(plan, **tensors):
 
 # -- layer norm / RMS norm forward --------------------------------------------------------------------
 
+def layer_norm_with_stats(xs, gs, bs, dtype, target):
+    """Layer norm (gamma, beta, saved mean and rstd) of (device, float64) pairs x, gamma, beta
+    against the reference; its plan."""
+    (x, x64), (g, g64), (b, b64) = xs, gs, bs
+    rows, L = x.shape
+    y, mean, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32"), poisoned((rows,), "float32")
+    plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), save_stats=True, eps=1e-5,
+                                arch=target)
+    run(plan, y=y, x=x, gamma=g, beta=b, mean=mean, rstd=rstd)
+    want, want_mean, want_rstd = ref.layer_norm(x64, 1, g64, b64, 1e-5, return_stats=True)
+    what = f"layer_norm {rows}x{L} {plan.launches[0].spec.uri}"
+    check(y, want, dtype, what)
+    check(mean, want_mean, "float32", what + " mean")
+    check(rstd, want_rstd, "float32", what + " rstd")
+    return plan
+
+
 @pytest.mark.parametrize("rows,L", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_and_rms_norm(rows, L, dtype):
@@ -58,15 +75,7 @@ def test_layer_and_rms_norm(rows, L, dtype):
     g, g64 = uniform((L,), dtype, 0.5, 1.5)
     b, b64 = uniform((L,), dtype, -0.5, 0.5)
     for target in (None, arch()) if L > 32768 else (None,):
-        y, mean, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32"), poisoned((rows,), "float32")
-        plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), save_stats=True, eps=1e-5,
-                                    arch=target)
-        run(plan, y=y, x=x, gamma=g, beta=b, mean=mean, rstd=rstd)
-        want, want_mean, want_rstd = ref.layer_norm(x64, 1, g64, b64, 1e-5, return_stats=True)
-        what = f"layer_norm {rows}x{L} {plan.launches[0].spec.uri}"
-        check(y, want, dtype, what)
-        check(mean, want_mean, "float32", what + " mean")
-        check(rstd, want_rstd, "float32", what + " rstd")
+        layer_norm_with_stats((x, x64), (g, g64), (b, b64), dtype, target)
         y = poisoned((rows, L), dtype)
         plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), eps=1e-6, arch=target)
         run(plan, y=y, x=x, gamma=g)
@@ -303,15 +312,7 @@ def test_long_rows_norms(rows, L, dtype):
     x, x64 = random((rows, L), dtype)
     g, g64 = uniform((L,), dtype, 0.5, 1.5)
     b, b64 = uniform((L,), dtype, -0.5, 0.5)
-    y, mean, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32"), poisoned((rows,), "float32")
-    plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), save_stats=True, arch=target)
-    persists(plan, dtype, L)
-    run(plan, y=y, x=x, gamma=g, beta=b, mean=mean, rstd=rstd)
-    want, want_mean, want_rstd = ref.layer_norm(x64, 1, g64, b64, 1e-5, return_stats=True)
-    what = f"layer_norm {rows}x{L} {plan.launches[0].spec.uri}"
-    check(y, want, dtype, what)
-    check(mean, want_mean, "float32", what + " mean")
-    check(rstd, want_rstd, "float32", what + " rstd")
+    persists(layer_norm_with_stats((x, x64), (g, g64), (b, b64), dtype, target), dtype, L)
     y, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32")
     plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), save_stats=True, eps=1e-6, arch=target)
     persists(plan, dtype, L)

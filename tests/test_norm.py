@@ -205,8 +205,8 @@ def test_strategy_per_row_length():
     persist = norm.plan_softmax(long_x, -1, arch="sm_90")
     (launch,) = persist.launches
     s = launch.spec
-    assert (s.split, s.cluster, s.tpr, s.nv, s.stages) == ("persist", 8, 1024, 4, 2)
-    assert launch.grid == (norm.PERSIST_CLUSTERS[8] * 8, 1, 1) and launch.shared_mem == 2 * 32768 * 2
+    assert (s.split, s.cluster, s.tpr, s.nv, s.stages) == ("persist", 8, 1024, 4, 1)
+    assert launch.grid == (norm.PERSIST_CLUSTERS[8] * 8, 1, 1) and launch.shared_mem == 32768 * 2
     assert persist.scratch == ()
     cluster = norm.plan_softmax(op("bfloat16", 256, 262144, align=8), -1, arch="sm_90")  # 8-byte vectors: no bulk copies
     (launch,) = cluster.launches
@@ -230,21 +230,21 @@ def test_long_rows_on_sm90_take_the_persistent_cluster():
     x, w = op("bfloat16", 256, 262144), op("bfloat16", 262144)
     chunk = 32768 * 2  # bytes of a block's chunk of a bf16 row
     grid = norm.PERSIST_CLUSTERS[8] * 8  # as many clusters of 8 as are co-resident
-    # layer norm: one row in flight beside gamma and beta (staged once); RMS norm: two beside gamma
+    # one row in flight, beside gamma and beta (staged once)
     assert _persist(norm.plan_layer_norm(x, 1, gamma=w, beta=w, arch="sm_90")) == ("persist", 8, 1, grid, 3 * chunk)
-    assert _persist(norm.plan_layer_norm(x, 1, arch="sm_90")) == ("persist", 8, 2, grid, 2 * chunk)
+    assert _persist(norm.plan_layer_norm(x, 1, arch="sm_90")) == ("persist", 8, 1, grid, chunk)
     assert _persist(norm.plan_rms_norm(x, 1, gamma=w, save_stats=True, arch="sm_90")) == (
-        "persist", 8, 2, grid, 3 * chunk)
+        "persist", 8, 1, grid, 2 * chunk)
     # x and the residual staged, one row in flight; gamma and beta do not fit beside them
     res = norm.plan_layer_norm(x, 1, gamma=w, beta=w, residual=x, write_sum=True, arch="sm_90")
     assert _persist(res) == ("persist", 8, 1, grid, 2 * chunk) and res.launches[0].spec.staged_columns() == []
     assert _persist(norm.plan_softmax(x, -1, log=True, mask=op("float32", 262144), arch="sm_90")) == (
         "persist", 8, 1, grid, 3 * chunk)
     # a few rows: a cluster each; shorter rows: smaller clusters, more of them
-    assert _persist(norm.plan_rms_norm(op("bfloat16", 3, 262144), 1, arch="sm_90")) == ("persist", 8, 2, 24, 2 * chunk)
+    assert _persist(norm.plan_rms_norm(op("bfloat16", 3, 262144), 1, arch="sm_90")) == ("persist", 8, 1, 24, chunk)
     assert _persist(norm.plan_softmax(op("float16", 100, 65536), -1, arch="sm_90")) == (
-        "persist", 2, 2, norm.PERSIST_CLUSTERS[2] * 2, 2 * chunk)
-    assert _persist(norm.plan_softmax(op("float32", 64, 131072), -1, arch="sm_90")) == ("persist", 8, 2, grid, 2 * chunk)
+        "persist", 2, 1, norm.PERSIST_CLUSTERS[2] * 2, chunk)
+    assert _persist(norm.plan_softmax(op("float32", 64, 131072), -1, arch="sm_90")) == ("persist", 8, 1, grid, chunk)
     # where bulk copies cannot go: other paths
     assert norm.plan_layer_norm(x, 1, arch="sm_80").launches[0].spec.split == "stats"
     assert norm.plan_layer_norm(op("bfloat16", 4, 262151), 1, arch="sm_90").launches[0].spec.split == "stats"

@@ -59,12 +59,13 @@ PERSISTENT_BLOCKS = 264          # backward norm grid: two blocks per H200 multi
 # shared memory) and keeps its next rows' chunks in flight while it combines and writes this one:
 # the memory system never waits for a block barrier. The grid is as many clusters as are
 # co-resident (a cluster stays within one GPC): a cluster more runs after the others and doubles
-# the time. H200 (132 SMs), cuOccupancyMaxActiveClusters: 15 of 8 (16 of 8 ran 98-156 us at 256 x
-# 262144 bf16 against 73-90 at 15). Prediction there (268 MB): 15 x 8 = 120 SMs at the copy rate,
-# 4.25 TB/s = 63 us, plus filling and draining a row per block (18 rows the busiest cluster, 17.1
-# on average): ~70 us. Measured at 15: RMS norm 73 us (3.68 TB/s), layer norm 80 (3.35),
-# softmax 90 (2.99), against 103 / 151 / 126 for one row per cluster.
-PERSIST_CLUSTERS = {2: 64, 4: 30, 8: 15}
+# the time. H200 (132 SMs), cuOccupancyMaxActiveClusters for these blocks: 66 clusters of 2, 30
+# of 4, 15 of 8 (16 of 8 ran 98-156 us at 256 x 262144 bf16 against 73-90 at 15). Prediction
+# there (268 MB): 15 x 8 = 120 SMs at the copy rate, 4.25 TB/s = 63 us, plus filling and
+# draining a row per block (18 rows the busiest cluster, 17.1 on average): ~70 us. Measured at
+# 15: RMS norm 73 us (3.66 TB/s), layer norm 81 (3.32), softmax 91 (2.95), log-softmax 94
+# (2.87), against 103 / 151 / 125 for one row per cluster and 109 / 131 / 128 in two passes.
+PERSIST_CLUSTERS = {2: 66, 4: 30, 8: 15}
 PERSIST_STAGES = (1, 2, 3, 4)
 PERSIST_SHARED = 227 * 1024 - 2048  # dynamic shared memory a block may stage (H100 / H200 opt-in 227 KB)
 _INT32_LIMIT = 2 ** 31 - 1
@@ -783,14 +784,14 @@ def _min_blocks(block: int, threads: int) -> int:
     return max(m for m in MIN_BLOCKS if m <= want)
 
 
-def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged: tuple = (0, 0),
+def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged: int = 0,
                max_tpr: int = 1024) -> Tile:
     """Threads per row for about two vectors (forward; four from rows of WIDE_ROW vectors) or
     one (backward) each, at most four vectors (and FORWARD_EPT / BACKWARD_EPT elements) a
     thread: more spill at 1024 threads; a warp per row up to 1024 16-bit elements. Rows per
     block up to 256 threads; past a block's reach, a persistent cluster (forward, sm_90, rows
-    of whole 16-byte vectors: ``staged``, bytes an element of the row operands to copy, 0 where
-    they are not, and of the column operands), a cluster (``cluster_ok``) or two passes."""
+    of whole 16-byte vectors: ``staged`` bytes an element to copy, 0 where they are not), a
+    cluster (``cluster_ok``) or two passes."""
     ept = BACKWARD_EPT if backward else FORWARD_EPT
     most = max(1, min(4, ept // vec))
     target = 1 if backward else min(most, 4 if nvecs >= WIDE_ROW else 2)
@@ -802,14 +803,14 @@ def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged
     if nv <= most:
         rpb = max(1, 256 // tpr)
         return Tile(tpr, nv, rpb, "none", 1, _min_blocks(tpr * rpb, threads))
-    if (cluster_ok or staged[0]) and not backward:
+    if (cluster_ok or staged) and not backward:
         # Every block of the cluster holds part of the row. With idle blocks (layer / RMS norm,
         # float32, 2 x 40000 on a cluster of 8, three blocks idle) the H200 faulted at random,
         # and not under compute-sanitizer; cause not found, so those shapes take two passes.
         for nv in (n for n in NVS if target <= n <= most):
             for cl in CLUSTERS[1:]:
                 if cl * 1024 * nv >= nvecs > (cl - 1) * 1024 * nv:
-                    stages = _persist_stages(1024 * nv * vec, *staged) if cl <= 8 else 0
+                    stages = _persist_stages(1024 * nv * vec, staged) if cl <= 8 else 0
                     if stages:
                         return Tile(1024, nv, 1, "persist", cl, 1, stages)
                     if cluster_ok:
@@ -817,14 +818,12 @@ def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged
     return Tile(512, target, 1, "apply", 1, _min_blocks(512, threads))
 
 
-def _persist_stages(chunk: int, row_bytes: int, column_bytes: int) -> int:
-    """Rows in flight for a persistent block of ``chunk`` elements a row: two where they fit
-    beside the column operands' chunk (staged once: no loads in the output loop), else one
-    (0: not even one, or nothing to stage)."""
-    if not row_bytes:
-        return 0
-    room = PERSIST_SHARED - chunk * column_bytes
-    return min(2, (room if room >= chunk * row_bytes else PERSIST_SHARED) // (chunk * row_bytes))
+def _persist_stages(chunk: int, row_bytes: int) -> int:
+    """Rows in flight for a persistent block of ``chunk`` elements a row: one (0: it does not
+    fit, or there is nothing to stage). Deeper ran no faster on the H200 (256 x 262144 bf16, 1 /
+    2 / 3 stages: RMS norm 73.2 / 73.1 / 90.8 us, softmax 89.7 / 91.4 / 94.4), and one leaves
+    room for gamma and beta (layer norm 80.4 us staged, 102.6 read from L2 beside two rows)."""
+    return min(1, PERSIST_SHARED // (chunk * row_bytes)) if row_bytes else 0
 
 
 def _cluster_ok(arch: str | None) -> bool:
@@ -834,26 +833,24 @@ def _cluster_ok(arch: str | None) -> bool:
     return arch_number(parse_arch(arch)) >= 90
 
 
-def _staged_bytes(layout: _Rows, vec: int, operands: dict, columns: list) -> tuple[int, int]:
-    """Bytes an element of the row operands a persistent block copies into shared memory (0
-    when bulk copies cannot move them: a vector is not a whole 16 bytes), and of the column
-    operands (0 when they stay in global memory)."""
+def _staged_bytes(layout: _Rows, vec: int, operands: dict) -> int:
+    """Bytes an element of the row operands a persistent block copies into shared memory, or 0
+    when bulk copies cannot move them (a vector is not a whole 16 bytes)."""
     ops = [op for name, op in operands.items() if layout.access[name] == "u"]
     if any(vec * _itemsize(op.dtype) % 16 for op in ops) or "s" in layout.access.values():
-        return 0, 0
-    whole = not any(vec * _itemsize(op.dtype) % 16 for op in columns)
-    return sum(_itemsize(op.dtype) for op in ops), sum(_itemsize(op.dtype) for op in columns) if whole else 0
+        return 0
+    return sum(_itemsize(op.dtype) for op in ops)
 
 
 def _tile_of(spec: RowSpec, layout: _Rows, vec: int, kind: type, backward: bool, arch: str | None,
-             operands: dict | None = None, columns: list = (), cluster: bool = True) -> Tile:
+             operands: dict | None = None, cluster: bool = True) -> Tile:
     """The tile of a plan: ``spec``'s, or the heuristic's for ``arch`` (None: any arch); forward
-    plans give their row ``operands`` and ``columns`` (persistent clusters) and whether a plain
-    cluster may serve."""
+    plans give their row ``operands`` (persistent clusters) and whether a plain cluster may
+    serve."""
     nvecs = layout.L // vec
     if spec is None:
         sm90 = _cluster_ok(arch)
-        staged = _staged_bytes(layout, vec, operands, list(columns)) if sm90 and operands else (0, 0)
+        staged = _staged_bytes(layout, vec, operands) if sm90 and operands else 0
         # Norm backward threads also hold their columns' dgamma / dbeta partials: 512 at most.
         return _heuristic(nvecs, vec, backward=backward, cluster_ok=sm90 and cluster, staged=staged,
                           max_tpr=512 if kind is NormBackwardSpec else 1024)
@@ -984,8 +981,7 @@ def _plan_norm(kind, x, normalized_ndim, *, gamma, beta, residual, write_sum, sa
     # Layer norm rows past a block's reach take a persistent cluster or two passes, not a plain
     # cluster: on the H200 (256 x 262144 bf16) the cluster of 8 ran 151 us, two passes of 512 x 4
     # vectors 131 (RMS norm: 103 against 132).
-    t = _tile_of(tile, layout, vec, NormSpec, False, arch, operands, [op for op in (gamma, beta) if op is not None],
-                 cluster=kind == "rms")
+    t = _tile_of(tile, layout, vec, NormSpec, False, arch, operands, cluster=kind == "rms")
     index = _index(layout, t.tpr * t.nv * vec * t.cluster)
     access = "".join(layout.access[n] for n in operands)
     options = dict(kind=kind, x=x.dtype, residual=residual.dtype if residual is not None else "", index=index,
