@@ -272,6 +272,10 @@ def test_plan_shapes():
     inf = bn.plan_batch_norm_inference(op((32, 256, 56, 56), "float16", nhwc((32, 256, 56, 56))), vec(256),
                                        vec(256), vec(256), vec(256), epilogue=[("relu", "")], params=(0.0, math.inf))
     assert len(inf.launches) == 1 and inf.launches[0].spec.vec == 8 and inf.launches[0].spec.layout == "col"
+    assert inf.launches[0].spec.block == 1024 and inf.launches[0].spec.pipeline and inf.launches[0].spec.cvec == 4
+    one = bn.plan_batch_norm_inference(op((1, 256, 56, 56), "float16", nhwc((1, 256, 56, 56))), vec(256),
+                                       vec(256)).launches[0]  # batch 1: smaller blocks, every SM busy
+    assert one.spec.block * one.spec.min_blocks == 1024 and math.prod(one.grid) >= bn.SMS
     train = bn.plan_batch_norm_training(op((32, 256, 28, 28), "float16"), vec(256), vec(256), vec(256), vec(256))
     roles = {p for l in train.launches for p in l.pointers}
     assert roles >= {"y", "x", "gamma", "beta", "running_mean", "running_var", "saved_mean", "saved_invstd"}

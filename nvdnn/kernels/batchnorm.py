@@ -320,10 +320,10 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
         ints = [lv, lay.c * (lay.n if per_sample else 1)]
     else:
         cv = lay.c // vec
-        loop = _col_loop(cv, backward, per_sample) if tile is None else {
+        rows = lay.n * lay.hw
+        loop = _col_loop(cv, rows, backward, per_sample) if tile is None else {
             f: getattr(tile, f) for f in AffineSpec.tile_fields}
         bx, block = loop["bx"], loop["block"]
-        rows = lay.n * lay.hw
         col_blocks = -(-cv // bx)
         needed = -(-rows // (block // bx * loop["unroll"]))
         steps_per_block = -(-needed // max(1, SMS * loop["min_blocks"] // col_blocks)) if loop["strided"] else 1
@@ -337,20 +337,35 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
                   tuple(int_t(v) for v in ints) + tuple(np.float32(v) for v in (eps, *params)))
 
 
-# The heuristic's col-layout tiles (AffineSpec tile fields but bx), by pass. H200, fp16 NHWC
-# 32x256x56x56 bn+ReLU inference (102.8 MB moved; torch's same-size copy: 27.3 us, 3.76 TB/s):
-# b512 u2 m2 pipelined and streaming 28.2 us (3.65 TB/s); b256 u4 m4, the tile before, 29.7.
+# The heuristic's col-layout tiles (AffineSpec tile fields but bx), by pass. Prediction for the
+# target, fp16 NHWC 32x256x56x56 bn+ReLU inference: 102.8 MB moved (x read, y written), at best
+# what a copy of the same bytes costs, 27.1-27.3 us on the H200 (torch y.copy_(x), 3.76-3.79
+# TB/s; nvdnn.relu 27.9); 3.8 TB/s (27.0 us) is past it. Measured there (two runs): b1024 u2 m1
+# pipelined and streaming 27.9 us (3.68 TB/s), b512 u2 m2 the same 28.2 twice, b256 u4 m4 plain
+# 29.7-30.0, before the loads went out ahead of the coefficients 32.9. Streaming alone on loads
+# or on stores lost 0.5-2 us; on both it won 0.4-0.8 on every grid-strided tile.
 COL_LOOPS = {
-    "forward": {"block": 512, "unroll": 2, "min_blocks": 2, "strided": True, "pipeline": True, "stream": True},
+    "forward": {"block": 1024, "unroll": 2, "min_blocks": 1, "strided": True, "pipeline": True, "stream": True},
     "per_sample": {"block": 256, "unroll": 2, "min_blocks": 4, "strided": True, "pipeline": False, "stream": False},
     "backward": {"block": 256, "unroll": 2, "min_blocks": 2, "strided": True, "pipeline": False, "stream": False},
 }
 
 
-def _col_loop(cv: int, backward: bool, per_sample: bool) -> dict:
-    """The heuristic's col-layout tile for cv vectors a row."""
+# Forward blocks from the largest down, 1024 threads an SM kept (min_blocks = 1024 / block): a
+# small tensor (batch 1) takes the largest block that still gives every SM a tile of rows.
+FORWARD_BLOCKS = (1024, 512, 256, 128)
+
+
+def _col_loop(cv: int, rows: int, backward: bool, per_sample: bool) -> dict:
+    """The heuristic's col-layout tile for rows of cv vectors."""
     kind = "backward" if backward else "per_sample" if per_sample else "forward"
-    return {"bx": min(32, 1 << math.ceil(math.log2(cv))), **COL_LOOPS[kind]}
+    bx = min(32, 1 << math.ceil(math.log2(cv)))
+    loop = {"bx": bx, **COL_LOOPS[kind]}
+    if kind == "forward":
+        blocks = {b: -(-rows // (b // bx * loop["unroll"])) * -(-cv // bx) for b in FORWARD_BLOCKS}
+        block = next((b for b in FORWARD_BLOCKS if blocks[b] >= SMS), FORWARD_BLOCKS[-1])
+        loop.update(block=block, min_blocks=FORWARD_BLOCKS[0] // block)
+    return loop
 
 
 def _stats(mode: str, param: str, affine: bool, update: bool, records, *, n: int, channels: int, group_size: int,
