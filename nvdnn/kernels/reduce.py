@@ -394,20 +394,18 @@ def unsupported_reason(spec, arch: str) -> str | None:
 # Loop shapes for autotuning: (group or bx, block, unroll); the planner re-derives splits.
 ROW_TILES = ((32, 256, 4), (32, 128, 8), (256, 256, 4), (256, 256, 2), (512, 512, 2), (128, 128, 8))
 COL_TILES = ((32, 256, 4), (32, 512, 2), (16, 256, 4), (32, 128, 8), (8, 256, 4))
-AFFINE_TILES = ((64, 4, 1), (128, 4, 1), (256, 2, 4), (256, 4, 2), (256, 4, 4), (512, 2, 2), (128, 8, 1))
 
 
 def candidates(spec) -> list:
     """Tile variants of one spec (same work, other loop shape), for autotuning."""
     from .batchnorm import AffineSpec
+    from .batchnorm import candidates as affine_candidates
     if isinstance(spec, RowReduceSpec):
         return [dataclasses.replace(spec, group=g if g == 32 else b, block=b, unroll=u) for g, b, u in ROW_TILES]
     if isinstance(spec, ColReduceSpec):
         return [dataclasses.replace(spec, bx=min(x, spec.bx), block=b, unroll=u) for x, b, u in COL_TILES]
-    if isinstance(spec, AffineSpec):
-        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, strided=st) for b, u, m in AFFINE_TILES
-                for st in ((True,) if spec.layout == "row" else (True, False))
-                if spec.layout == "row" or spec.bx * 2 <= b]
+    if isinstance(spec, AffineSpec):  # the affine pass's own table (kernels/batchnorm.py)
+        return affine_candidates(spec)
     return [spec]
 
 
