@@ -174,7 +174,7 @@ class RowSpec(KernelSpec):
                                       f"({dtype}) are {self.vec * _itemsize(dtype)} bytes", arg="vec")
         if self._row_stage_bytes() > PERSIST_SHARED:
             raise ValidationError(f"stages: {self.stages} chunks of {self.tpr * self.nv * self.vec} elements take "
-                                  f"{self.stage_bytes} bytes of shared memory, more than {PERSIST_SHARED}",
+                                  f"{self._row_stage_bytes()} bytes of shared memory, more than {PERSIST_SHARED}",
                                   arg="stages")
 
     def validate_options(self) -> None:  # pragma: no cover - every family overrides it
@@ -186,7 +186,7 @@ class RowSpec(KernelSpec):
 
     @property
     def capacity(self) -> int:
-        """Row elements one block (or cluster) holds: rows up to this length fit split none/cluster."""
+        """Row elements one block (or cluster) holds: rows up to this length fit split none/cluster/persist."""
         return self.tpr * self.nv * self.vec * self.cluster
 
     def column_operands(self) -> list[tuple[str, str]]:
