@@ -115,8 +115,7 @@ def _folds(group, node) -> bool:
     (not an fp8 output: the kernel reduces the values before their quantization)."""
     return (group is not None and group.anchor is not None and node.op in ANCHORS[group.anchor.op].folds
             and node.inputs[0] is group.output and dict(node.attrs).get("axes") is None
-            and node.output.data_type == "float32" and not group.output.data_type.startswith("float8")
-            and node not in group.folded)
+            and node.output.data_type == "float32" and not group.output.data_type.startswith("float8"))
 
 
 def partition(nodes, consumers) -> list[KernelGroup]:

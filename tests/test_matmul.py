@@ -118,7 +118,10 @@ def test_fp8_sums_in_float32_unless_asked_for_fast_accumulation():
     fast = _kernel(mm.plan_matmul(a8, w8, arch="sm_90", precision="fast"))
     assert exact.promote and exact.bn <= 192 and not fast.promote
     assert all(c.promote for c in mm.candidates(exact)) and not any(c.promote for c in mm.candidates(fast))
-    # a tile chosen elsewhere keeps the request's accuracy
+    # a tile chosen elsewhere keeps the request's accuracy (and its tile, where that fits)
+    narrow = next(c for c in mm.candidates(fast) if c.bn == 128 and c.wm == 2)
+    taken = _kernel(mm.plan_matmul(a8, w8, arch="sm_90", tile=narrow))
+    assert taken.promote and (taken.bn, taken.stages, taken.cluster) == (narrow.bn, narrow.stages, narrow.cluster)
     assert _kernel(mm.plan_matmul(a8, w8, arch="sm_90", tile=fast)).promote
     with pytest.raises(ValidationError, match="precision"):
         mm.plan_matmul(op("bfloat16", (64, 64)), weight("bfloat16", 64, 64), precision="fast")

@@ -43,7 +43,6 @@ IN_DTYPES = ("float32",) + HALF + FP8
 OUT_DTYPES = ("float32",) + HALF + FP8
 EPI_DTYPES = pointwise.DTYPES           # bias and residual
 BIAS = ("", "row", "col")               # row: one value per output row m; col: per column n
-PRECISIONS = ("exact", "tf32", "")
 ACCUMULATORS = {False: 128, True: 192}  # accumulator registers a wgmma consumer thread may hold
 PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloat16": ("exact",),
                      "fp8": ("exact", "fast")}  # plan_matmul's precision, by input type
@@ -166,7 +165,7 @@ class MatmulSpec(KernelSpec):
     wn: int = 4                  # mma: warps along N; wgmma, simt: 1
     group_m: int = 8             # wgmma: tile rows walked together by the persistent scheduler
     cluster: int = 1             # wgmma: blocks of a cluster (2: M neighbours share B by TMA multicast)
-    promote: bool = False        # wgmma fp8: drain the tensor-core sums into float32 after every K slice
+    promote: bool = False        # wgmma fp8: drain the tensor-core sums into float32 every two K slices
                                  # (False: fast accumulation, the tensor core's reduced precision throughout)
 
     @property
@@ -179,6 +178,7 @@ class MatmulSpec(KernelSpec):
         one_of(self.b_dtype, IN_DTYPES, "b_dtype")
         _check_epilogue_fields(self)
         one_of(self.split, (False, True), "split")
+        one_of(self.promote, (False, True) if self.kernel == "wgmma" and self.a_dtype in FP8 else (False,), "promote")
         fp8 = self.a_dtype in FP8
         if (self.b_dtype in FP8) != fp8 or (not fp8 and self.a_dtype != self.b_dtype):
             raise DTypeError(f"a_dtype/b_dtype: {self.a_dtype} x {self.b_dtype}: A and B share a type, or are both "
@@ -214,7 +214,6 @@ class MatmulSpec(KernelSpec):
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
-        one_of(self.promote, (False, True) if self.a_dtype in FP8 else (False,), "promote")
         # float32 accumulators a consumer thread holds: the tensor core's, and as many again to
         # drain them into when promoting (the registers left cap both)
         held = (self.bm // self.wm // 64) * self.bn // 2 * (2 if self.promote else 1)
@@ -226,7 +225,6 @@ class MatmulSpec(KernelSpec):
             raise ValidationError("split: split-K runs on the mma and simt kernels", arg="split")
 
     def _validate_mma(self):
-        one_of(self.promote, (False,), "promote")
         if self.a_dtype in FP8:
             raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
         one_of(self.a_major, ("k", "m"), "a_major")
@@ -245,7 +243,6 @@ class MatmulSpec(KernelSpec):
             raise ValidationError("wm/wn: 1 to 8 warps", arg="wm")
 
     def _validate_simt(self):
-        one_of(self.promote, (False,), "promote")
         one_of(self.a_major, A_MAJORS, "a_major")
         one_of(self.b_major, B_MAJORS, "b_major")
         one_of(self.precision, ("exact",) if self.a_dtype == "float32" else ("",), "precision")
@@ -568,7 +565,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     values with ``bias_axis="row"``, N with "col"), "residual" (broadcastable to y), "scale_a",
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
     quantization, float32). ``precision`` for float32 inputs: "exact" (fp32 FMA) or "tf32"; for fp8
-    inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 128 of K) or
+    inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges summed by a second launch (None: the heuristic decides)."""
     for name, op in (("a", a), ("b", b)):
@@ -703,15 +700,14 @@ def _heuristic_tile(kernel, req, geo, promote) -> dict:
         bk = 128 // _size(req.a_dtype)
         if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
             return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
-        if promote:  # two accumulator sets: 192 columns at most
-            tiles = -(-geo.m // 128) * -(-geo.n // 192) * geo.batch
-            return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8,
-                        cluster=2 if tiles >= 8 * DEFAULT_SMS else 1)
-        # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3:
-        # fp16 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69, fp8 1303
-        # TFLOP/s against 1268; equal at 4096^3, where single blocks stay)
-        tiles = -(-geo.m // 128) * -(-geo.n // 256) * geo.batch
-        return dict(bm=128, bn=256, bk=bk, stages=4, wm=2, wn=1, group_m=8, cluster=2 if tiles >= 8 * DEFAULT_SMS else 1)
+        # Many waves of 128 x 256 tiles (128 x 192 promoting: two accumulator sets): pairs of
+        # blocks share B by multicast (H200, 8192^3: fp16 0.91x cuBLAS against 0.88x alone,
+        # bias+GELU 1.58 ms against 1.69, fp8 1303 TFLOP/s against 1268; equal at 4096^3, where
+        # single blocks stay)
+        bn = 192 if promote else 256
+        tiles = -(-geo.m // 128) * -(-geo.n // bn) * geo.batch
+        return dict(bm=128, bn=bn, bk=bk, stages=5 if promote else 4, wm=2, wn=1, group_m=8,
+                    cluster=2 if tiles >= 8 * DEFAULT_SMS else 1)
     if kernel == "mma":
         if req.a_dtype == "float32":
             return dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
