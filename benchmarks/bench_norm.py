@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import COPY_CEILING_TBS, sets_for, start, table, tile_row, time_ms, write_json  # noqa: E402
 
-from nvdnn import compiler, launcher  # noqa: E402
+from nvdnn import compiler, launcher, runtime  # noqa: E402
 from nvdnn.dtypes import BY_NAME, of_array  # noqa: E402
 from nvdnn.kernels import norm, tile_spec  # noqa: E402
 from nvdnn.kernels.pointwise import Operand  # noqa: E402
@@ -49,7 +49,8 @@ class Prepared:
             for launch, fn in zip(plan.launches, self.fns):
                 ptrs = [np.uint64(self.workspace.data.ptr + offsets[int(r[7:])]) if r.startswith("scratch")
                         else tensors[r] for r in launch.pointers]
-                calls.append((fn, launch.grid, launch.block, (*ptrs, *launch.args), launch.shared_mem))
+                grid = runtime.resident_grid(fn, launch.spec, launch.grid, launch.block, launch.shared_mem)
+                calls.append((fn, grid, launch.block, (*ptrs, *launch.args), launch.shared_mem))
             self.calls.append(calls)
 
     def __call__(self, i: int) -> None:
@@ -153,7 +154,6 @@ def resident_clusters() -> list[dict]:
     """The driver's count of co-resident clusters for each persistent cluster size (bf16 RMS norm
     rows of 2, 4 and 8 blocks), against the grid norm.PERSIST_CLUSTERS plans."""
     import cupy
-    from cuda.bindings import driver
     device = cupy.cuda.runtime.getDevice()
     out = []
     for L in (65536, 131072, 262144):
@@ -161,15 +161,9 @@ def resident_clusters() -> list[dict]:
         plan = norm.plan_rms_norm(x, 1, gamma=g, arch=compiler.device_arch(device))
         (launch,) = plan.launches
         fn = launcher.functions(plan, device)[0]
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = launch.block
-        config.sharedMemBytes = launch.shared_mem
-        config.numAttrs = 0
-        err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(fn.ptr), config)
+        count = runtime.max_active_clusters(fn.ptr, launch.grid, launch.block, launch.shared_mem)
         out.append({"cluster": launch.spec.cluster, "shared_KB": launch.shared_mem // 1024,
-                    "co-resident": count if err == driver.CUresult.CUDA_SUCCESS else str(err),
-                    "planned": launch.grid[0] // launch.spec.cluster})
+                    "co-resident": count or "the driver refused", "planned": launch.grid[0] // launch.spec.cluster})
     return out
 
 

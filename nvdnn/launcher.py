@@ -71,4 +71,5 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
             else:
                 raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
         args = resolve_args(launch.args, pointers) if has_deferred(launch.args) else launch.args
-        fn(launch.grid, launch.block, (*pointers, *args), shared_mem=launch.shared_mem, stream=stream)
+        grid = runtime.resident_grid(fn, launch.spec, launch.grid, launch.block, launch.shared_mem)
+        fn(grid, launch.block, (*pointers, *args), shared_mem=launch.shared_mem, stream=stream)

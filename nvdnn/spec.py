@@ -76,6 +76,13 @@ class KernelSpec:
         sm_90a, the arch-specific target that has it)."""
         return arch
 
+    @property
+    def resident_cluster(self) -> int:
+        """Blocks a cluster where the grid is persistent (it walks its work by gridDim, so a cluster
+        the device cannot hold at once would run after the others): the launch trims such a grid
+        to the device's co-resident clusters. 0: the grid is the work."""
+        return 0
+
     def to_dict(self) -> dict:
         return {"family": self.family,
                 "fields": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}

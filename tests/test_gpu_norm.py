@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nvdnn import compiler, dtypes, launcher
+from nvdnn import compiler, dtypes, launcher, runtime
 from nvdnn import reference as ref
 from nvdnn.dtypes import of_array
 from nvdnn.kernels import norm
@@ -378,3 +378,22 @@ def test_every_long_row_candidate(op):
             y = poisoned((rows, L), dtype)
             run(p, y=y, x=x, gamma=g, beta=g)
             check(y, want, dtype, f"{op} {tile.uri} grid {p.launches[0].grid}")
+
+
+def test_persistent_grid_is_what_the_device_holds():
+    """The launch asks the driver how many clusters of each persistent kernel fit at once and
+    trims the plan's grid to that; the plan's table (PERSIST_CLUSTERS) is the H200's count."""
+    import cupy
+    target = sm90()
+    x = Operand("bfloat16", (4096, 262144), (262144, 1), 16)  # many rows: the planned grid is the table's
+    base = norm.plan_rms_norm(x, 1, eps=1e-6, arch=target).launches[0].spec
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    for tile in [t for t in norm.candidates(base) if t.split == "persist"]:
+        launch = norm.plan_rms_norm(x, 1, eps=1e-6, arch=target, tile=tile).launches[0]
+        fn = launcher.functions(norm.Plan((launch,), ()), 0, target)[0]
+        active = runtime.max_active_clusters(fn.ptr, launch.grid, launch.block, launch.shared_mem)
+        assert active > 0, tile.uri
+        grid = runtime.resident_grid(fn, launch.spec, launch.grid, launch.block, launch.shared_mem)
+        assert grid == (min(launch.grid[0], active * tile.cluster), 1, 1), (tile.uri, grid, active)
+        if name == "NVIDIA H200":
+            assert active == norm.PERSIST_CLUSTERS[tile.cluster], (tile.uri, active)

@@ -253,6 +253,36 @@ def test_long_rows_on_sm90_take_the_persistent_cluster():
     assert norm.plan_softmax(op("bfloat16", 4, 16384), -1, arch="sm_90").launches[0].spec.split == "none"
 
 
+def test_launch_trims_a_persistent_grid_to_the_clusters_the_device_holds(monkeypatch):
+    from nvdnn import runtime
+    persist = norm.plan_rms_norm(op("bfloat16", 256, 262144), 1, arch="sm_90").launches[0]
+    plain = norm.plan_rms_norm(op("bfloat16", 256, 4096), 1, arch="sm_90").launches[0]
+    asked = []
+
+    class Function:
+        ptr = 7
+
+    def active(ptr, grid, block, shared_mem):
+        asked.append((ptr, grid, block, shared_mem))
+        return holds
+
+    monkeypatch.setattr(runtime, "max_active_clusters", active)
+    monkeypatch.setattr(runtime, "_RESIDENT", {})
+    holds = 14  # a chip that holds one cluster of 8 fewer than the plan's H200
+    assert persist.spec.resident_cluster == 8 and plain.spec.resident_cluster == 0
+    assert runtime.resident_grid(Function, plain.spec, plain.grid, plain.block, 0) == plain.grid
+    trim = runtime.resident_grid(Function, persist.spec, persist.grid, persist.block, persist.shared_mem)
+    assert trim == (14 * 8, 1, 1) and persist.grid == (norm.PERSIST_CLUSTERS[8] * 8, 1, 1)
+    assert runtime.resident_grid(Function, persist.spec, persist.grid, persist.block, persist.shared_mem) == trim
+    assert len(asked) == 1  # once per kernel and launch shape
+    holds = 0  # the driver could not answer: the plan's grid stands
+    monkeypatch.setattr(runtime, "_RESIDENT", {})
+    assert runtime.resident_grid(Function, persist.spec, persist.grid, persist.block, persist.shared_mem) == persist.grid
+    holds = 40  # more than the plan's: the grid is the plan's (its rows are all it has)
+    monkeypatch.setattr(runtime, "_RESIDENT", {})
+    assert runtime.resident_grid(Function, persist.spec, persist.grid, persist.block, persist.shared_mem) == persist.grid
+
+
 @pytest.mark.parametrize("change,arg", [
     (dict(stages=0), "stages"), (dict(split="cluster"), "stages"), (dict(stages=5), "stages"),
     (dict(cluster=16, nv=2), "cluster"), (dict(vec=4), "vec"), (dict(stages=4), "stages"),

@@ -566,7 +566,8 @@ class Graph:
                         slot, view = place(by_role[role])
                         slots.append(slot), pointers.append(view)
                 fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem)
-                launches.append((_Launch(fn, lp.grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
+                grid = runtime.resident_grid(fn, lp.spec, lp.grid, lp.block, lp.shared_mem)
+                launches.append((_Launch(fn, grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
                                          launcher.has_deferred(lp.args)), pointers))
             runs.append(_GroupRun(launches, outputs))
         return runs

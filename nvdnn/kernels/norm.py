@@ -65,6 +65,8 @@ PERSISTENT_BLOCKS = 264          # backward norm grid: two blocks per H200 multi
 # draining a row per block (18 rows the busiest cluster, 17.1 on average): ~70 us. Measured at
 # 15: RMS norm 73 us (3.66 TB/s), layer norm 81 (3.32), softmax 91 (2.95), log-softmax 94
 # (2.87), against 103 / 151 / 125 for one row per cluster and 109 / 131 / 128 in two passes.
+# The plan takes the H200's counts (it has no device); the launch trims the grid to what the
+# device holds (runtime.resident_grid), for a chip with other disabled multiprocessors.
 PERSIST_CLUSTERS = {2: 66, 4: 30, 8: 15}
 PERSIST_STAGES = (1, 2, 3, 4)
 PERSIST_SHARED = 227 * 1024 - 2048  # dynamic shared memory a block may stage (H100 / H200 opt-in 227 KB)
@@ -183,6 +185,10 @@ class RowSpec(KernelSpec):
     @property
     def block(self) -> int:
         return self.tpr * self.rpb
+
+    @property
+    def resident_cluster(self) -> int:
+        return self.cluster if self.split == "persist" else 0
 
     @property
     def capacity(self) -> int:
