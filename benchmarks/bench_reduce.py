@@ -15,7 +15,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import COPY_CEILING_TBS, sets_for, start, table, tile_row, time_ms, write_json  # noqa: E402
+from common import (COPY_CEILING_TBS, graph_ms, sets_for, start, table, tile_row, time_ms,  # noqa: E402
+                    torch_graph_ms, write_json)
 
 from nvdnn import dtypes, launcher  # noqa: E402
 from nvdnn.kernels import batchnorm as bn  # noqa: E402
@@ -146,7 +147,12 @@ def bench_batch_norm(name, mode, shape, layout, dtype, torch):
     t_theirs = time_ms(theirs, count)
     ours(0)
     diff = float((torch.from_dlpack(ys[0]).float() - theirs(0).float()).abs().max())
-    return _row(name, dtype, moved, t_ours, t_theirs, diff)
+    row = _row(name, dtype, moved, t_ours, t_theirs, diff)
+    if mode == "inference":  # both again inside CUDA graphs (no launch gaps)
+        g_ours, g_theirs = graph_ms(ours, count), torch_graph_ms(torch, theirs, count)
+        row.update({"graph_us": f"{g_ours * 1e3:.1f}", "graph_TB/s": f"{moved / (g_ours * 1e-3) / 1e12:.2f}",
+                    "torch_graph_us": f"{g_theirs * 1e3:.1f}", "graph_speedup": f"{g_theirs / g_ours:.2f}x"})
+    return row
 
 
 BN_TARGET = (32, 256, 56, 56)  # NHWC inference + ReLU: x read once, y written once (fp16: 102.8 MB)
@@ -176,6 +182,8 @@ def bn_tile_sweep(torch, dtype):
         tx, ty = [torch.from_dlpack(a) for a in phys_x], [torch.from_dlpack(a) for a in phys_y]
         rows.append(tile_row("ceiling: torch y.copy_(x)", False, time_ms(lambda i: ty[i].copy_(tx[i]), count), moved,
                              dtype=dtype))
+        rows.append(tile_row("ceiling: torch y.copy_(x), CUDA graph", False,
+                             torch_graph_ms(torch, lambda i: ty[i].copy_(tx[i]), count), moved, dtype=dtype))
     rows.append(tile_row("ceiling: nvdnn.relu(x, out=y)", False,
                          time_ms(lambda i: nvdnn.relu(phys_x[i], out=phys_y[i]), count), moved, dtype=dtype))
     base, specs = bn_sweep_specs(dtype)
@@ -227,7 +235,7 @@ def main():
         for dtype in ("bfloat16", "float32"):
             rows.append(bench_reduction(name, opname, shape, axes, dtype, torch))
     columns = ["workload", "dtype", "MB", "nvdnn_us", "nvdnn_TB/s", "of_ceiling", "torch_us", "torch_TB/s",
-               "speedup", "max_diff"]
+               "speedup", "max_diff", "graph_us", "graph_TB/s", "torch_graph_us", "graph_speedup"]
     print(table(rows, columns))
     write_json(args.json, device=device, copy_tbs=copy, bn_tiles=sweep, rows=rows)
 

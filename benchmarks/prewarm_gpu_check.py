@@ -13,6 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nvdnn  # noqa: E402
 from nvdnn import warm  # noqa: E402
@@ -53,7 +54,6 @@ def gpu_test_graphs(arch):
 def matmul_specs():
     """Every kernel tests/test_gpu_matmul.py and benchmarks/bench_matmul.py launch (deviceless plans)."""
     from tests import test_gpu_matmul as t
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_matmul
     plans = [t.case_plans(c) for c in t.CASES + t.BIG]
     plans += [t.case_plans(c, tile=tile) for c in t.TILE_CASES for tile in t.tile_plans(c)]
@@ -85,6 +85,8 @@ def main():
         jobs += [(spec, args.arch) for i, specs in enumerate(g.candidates)
                  for spec in (specs if policy == "all" else [specs[g.chosen[i]]])]
     jobs += [(spec, args.arch) for spec in matmul_specs()]
+    import bench_reduce  # its batch-norm tile sweep
+    jobs += [(spec, args.arch) for dtype in bench_reduce.SWEEP_DTYPES for spec in bench_reduce.bn_sweep_specs(dtype)[1]]
     report = warm.warm(jobs, cache)
     print(f"{cache.folder}: compiled {len(report.compiled)}, cached {len(report.cached)}, "
           f"failed {len(report.failed)} in {report.seconds:.1f}s")

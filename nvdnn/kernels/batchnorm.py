@@ -102,7 +102,8 @@ class AffineSpec(KernelSpec):
     block: int = 256
     unroll: int = 4
     min_blocks: int = 1  # __launch_bounds__ occupancy hint (grid-strided col layout: fill every SM)
-    strided: bool = True  # col layout: blocks stride over the rows (False: one tile of rows a block)
+    strided: bool = True  # col layout: blocks stride over the rows (False: one tile of rows a block,
+    #                       its coefficients staged in shared memory unless per_sample)
     pipeline: bool = False  # col layout, strided: the next tile's loads go out before this one's stores
     stream: bool = False  # streaming accesses: loads skip L1 and fetch 256 B into L2, stores evict first
     cvec: int = 1        # stats source, col layout: channels per parameter load (as their alignment allows)
@@ -120,7 +121,7 @@ class AffineSpec(KernelSpec):
         one_of(self.bx, (1, 2, 4, 8, 16, 32), "bx")
         one_of(self.block, AFFINE_BLOCKS, "block")
         one_of(self.unroll, (1, 2, 4, 8), "unroll")
-        one_of(self.min_blocks, (1, 2, 3, 4, 6, 8), "min_blocks")
+        one_of(self.min_blocks, (1, 2, 3, 4, 5, 6, 8), "min_blocks")
         one_of(self.cvec, (1, 2, 4, 8), "cvec")
         if self.cvec > 1 and (self.source != "stats" or self.layout != "col" or self.vec % self.cvec
                               or self.cvec * dtypes.BY_NAME[self.param].itemsize > 16):
@@ -178,6 +179,7 @@ class AffineSpec(KernelSpec):
             "backward": self.backward, "layout": self.layout, "per_sample": self.per_sample,
             "vec": self.vec, "bx": self.bx, "block": self.block, "unroll": self.unroll,
             "min_blocks": self.min_blocks, "strided": self.strided, "pipeline": self.pipeline,
+            "staged": self.layout == "col" and not self.strided and not self.per_sample,
             "cvec": self.cvec, "load": "load_vec_stream" if self.stream else "load_vec",
             "store": "store_vec_stream" if self.stream else "store_vec",
             "steps": chain_steps(self.steps, fast=dtypes.BY_NAME[self.output].itemsize < 4),
@@ -195,7 +197,8 @@ ROW_TILES = ((64, 4, 1), (128, 4, 1), (256, 2, 4), (256, 4, 2), (256, 4, 4), (51
 COL_TILES = ((256, 4, 4, True, False), (512, 2, 2, True, False), (1024, 2, 1, True, False),
              (1024, 4, 1, True, False), (512, 1, 3, True, False), (256, 1, 6, True, False),
              (256, 2, 4, True, True), (256, 4, 2, True, True), (512, 2, 2, True, True), (128, 2, 8, True, True),
-             (1024, 2, 1, True, True), (512, 4, 1, True, True), (128, 8, 1, False, False), (128, 4, 4, False, False))
+             (1024, 2, 1, True, True), (512, 4, 1, True, True), (256, 2, 5, False, False), (512, 2, 2, False, False),
+             (128, 2, 8, False, False), (256, 4, 3, False, False), (64, 4, 8, False, False), (64, 2, 8, False, False))
 
 
 def candidates(spec: AffineSpec) -> list[AffineSpec]:
@@ -321,7 +324,7 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
     else:
         cv = lay.c // vec
         rows = lay.n * lay.hw
-        loop = _col_loop(cv, rows, backward, per_sample) if tile is None else {
+        loop = _col_loop(cv, rows, backward, per_sample, itemsize) if tile is None else {
             f: getattr(tile, f) for f in AffineSpec.tile_fields}
         bx, block = loop["bx"], loop["block"]
         col_blocks = -(-cv // bx)
@@ -339,13 +342,19 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
 
 # The heuristic's col-layout tiles (AffineSpec tile fields but bx), by pass. Prediction for the
 # target, fp16 NHWC 32x256x56x56 bn+ReLU inference: 102.8 MB moved (x read, y written), at best
-# what a copy of the same bytes costs, 27.1-27.3 us on the H200 (torch y.copy_(x), 3.76-3.79
-# TB/s; nvdnn.relu 27.9); 3.8 TB/s (27.0 us) is past it. Measured there (two runs): b1024 u2 m1
-# pipelined and streaming 27.9 us (3.68 TB/s), b512 u2 m2 the same 28.2 twice, b256 u4 m4 plain
-# 29.7-30.0, before the loads went out ahead of the coefficients 32.9. Streaming alone on loads
-# or on stores lost 0.5-2 us; on both it won 0.4-0.8 on every grid-strided tile.
+# what a copy of the same bytes costs on the H200: 27.0-27.4 us (torch y.copy_(x), 3.75-3.81
+# TB/s). A raw copy sweep there (session 5) found no faster way to move these bytes: one 16-byte
+# vector a thread in blocks of 256, 27.2 us; grid-strided loops and bulk (TMA) copies 28.3-28.9.
+# So 3.8 TB/s (27.0 us) is past this size. Measured (sessions 4-5, benchmarks/RESULTS.md):
+# 16-bit, b1024 u2 m1 pipelined and streaming 27.9-28.5 us (3.61-3.68 TB/s); the staged
+# one-tile-a-block loops at best 27.6-27.9 for fp16 (b64 u4 m8, b128 u2 m8) but 29.0-30.9 for
+# bf16, so the grid-strided tile stays for both (the autotuner has the others). 32-bit (205.5
+# MB, copy 51.1-51.9 us): staged b256 u2 m5 streaming 52.0-52.8 us (3.89-3.95 TB/s) against
+# 55.2-55.4 for the grid-strided tile. Streaming alone on loads or on stores lost 0.5-2 us; on
+# both it won 0.4-0.8 on every grid-strided tile.
 COL_LOOPS = {
     "forward": {"block": 1024, "unroll": 2, "min_blocks": 1, "strided": True, "pipeline": True, "stream": True},
+    "forward_wide": {"block": 256, "unroll": 2, "min_blocks": 5, "strided": False, "pipeline": False, "stream": True},
     "per_sample": {"block": 256, "unroll": 2, "min_blocks": 4, "strided": True, "pipeline": False, "stream": False},
     "backward": {"block": 256, "unroll": 2, "min_blocks": 2, "strided": True, "pipeline": False, "stream": False},
 }
@@ -356,9 +365,10 @@ COL_LOOPS = {
 FORWARD_BLOCKS = (1024, 512, 256, 128)
 
 
-def _col_loop(cv: int, rows: int, backward: bool, per_sample: bool) -> dict:
-    """The heuristic's col-layout tile for rows of cv vectors."""
-    kind = "backward" if backward else "per_sample" if per_sample else "forward"
+def _col_loop(cv: int, rows: int, backward: bool, per_sample: bool, itemsize: int) -> dict:
+    """The heuristic's col-layout tile for rows of cv vectors of ``itemsize``-byte elements."""
+    kind = ("backward" if backward else "per_sample" if per_sample else
+            "forward_wide" if itemsize >= 4 else "forward")
     bx = min(32, 1 << math.ceil(math.log2(cv)))
     loop = {"bx": bx, **COL_LOOPS[kind]}
     if kind == "forward":
