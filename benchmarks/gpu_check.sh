@@ -17,7 +17,7 @@ PY
 # stage limits (seconds) keep one call inside the machine's per-command limit
 timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 \
   | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
-for bench in ${BENCHES-pointwise graph norm reduce pool}; do  # BENCHES="" runs none
+for bench in ${BENCHES-copy pointwise graph norm reduce pool}; do  # BENCHES="" runs none
   timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_$bench.py --json "$out/bench_$bench.json" 2>&1 \
     | tee "$out/bench_$bench.log"
 done

@@ -3,6 +3,7 @@ and CUDA header discovery."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -268,3 +269,25 @@ def test_a_warning_in_generated_code_is_a_compile_error():
     with pytest.raises(CompileError, match="warned") as info:
         compiler.compile_cubin(source, name="t.cu", options=compiler.options_for("sm_90"), uri="test/uri")
     assert "missing return statement" in info.value.log and info.value.uri == "test/uri"
+
+
+def test_the_copy_benchmark_kernels_compile_as_meant(tmp_path):
+    """benchmarks/bench_copy.py's ceiling kernels: no spills, 16-byte accesses, bulk copies."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_copy.py"
+    spec = importlib.util.spec_from_file_location("bench_copy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = compiler.compile_cubin(bench.SOURCE, name="bench_copy.cu", options=("-arch=sm_90", "-std=c++17"))
+    assert result.spill_bytes == 0
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    (tmp_path / "copy.cubin").write_bytes(result.cubin)
+    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "copy.cubin")], capture_output=True, text=True,
+                          timeout=120).stdout
+    names = {name for name, *_ in bench.VECTOR_RUNS + bench.BULK_RUNS}
+    assert all(f"Function : {name}" in sass for name in names), sass[:400]
+    accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
+    assert accesses and all(".128" in a for a in accesses), sorted(set(accesses))
+    assert "UBLKCP" in sass  # the bulk (TMA) copies
