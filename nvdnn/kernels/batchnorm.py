@@ -343,8 +343,8 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
 # The heuristic's col-layout tiles (AffineSpec tile fields but bx), by pass. Prediction for the
 # target, fp16 NHWC 32x256x56x56 bn+ReLU inference: 102.8 MB moved (x read, y written), at best
 # what a copy of the same bytes costs on the H200: 27.0-27.4 us (torch y.copy_(x), 3.75-3.81
-# TB/s). A raw copy sweep there (session 5) found no faster way to move these bytes: one 16-byte
-# vector a thread in blocks of 256, 27.2 us; grid-strided loops and bulk (TMA) copies 28.3-28.9.
+# TB/s). benchmarks/bench_copy.py finds no faster way to move these bytes: one 16-byte vector a
+# thread in blocks of 256, 27.2 us; grid-strided loops and bulk (TMA) copies 28.2-29.2.
 # So 3.8 TB/s (27.0 us) is past this size. Measured (sessions 4-5, benchmarks/RESULTS.md):
 # 16-bit, b1024 u2 m1 pipelined and streaming 27.9-28.5 us (3.61-3.68 TB/s); the staged
 # one-tile-a-block loops at best 27.6-27.9 for fp16 (b64 u4 m8, b128 u2 m8) but 29.0-30.9 for
