@@ -45,6 +45,9 @@ class KernelSpec:
     template: ClassVar[str]
     tile_fields: ClassVar[tuple[str, ...]] = ()  # fields that change the loop shape, not the math
     tiles_exact: ClassVar[bool] = False  # True: every tile gives the same bits (no reduction order)
+    # True: the template calls nvdnn::grid_dependency_wait() before it touches global memory
+    # (common/dependent_launch.cuh), so on sm_90 and later it launches as a dependent grid
+    dependent_launch: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -547,7 +547,7 @@ class Graph:
             if group.anchor is None:
                 pairs = [place(t) for t in (group.output, *group.inputs)]
                 tail = launch.int_args + tuple(np.float32(p) for p in group.params)
-                fn = runtime.function(self.binaries[launch.spec], device)
+                fn = runtime.function(self.binaries[launch.spec], device, dependent=launch.spec.dependent_launch)
                 runs.append(_GroupRun([(_Launch(fn, launch.grid, launch.block, tuple(s for s, _ in pairs), tail),
                                         [v for _, v in pairs])], outputs))
                 continue
@@ -565,7 +565,7 @@ class Graph:
                     else:
                         slot, view = place(by_role[role])
                         slots.append(slot), pointers.append(view)
-                fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem)
+                fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem, lp.spec.dependent_launch)
                 grid = runtime.resident_grid(fn, lp.spec, lp.grid, lp.block, lp.shared_mem)
                 launches.append((_Launch(fn, grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
                                          launcher.has_deferred(lp.args)), pointers))
