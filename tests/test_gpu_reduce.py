@@ -294,3 +294,52 @@ def test_group_and_instance_norm(layout, dtype):
         y = _like(x, dtype)
         _run(bn.plan_instance_norm(operand(x), eps=1e-5), {"y": y, "x": x})
         _close(y, ref.instance_norm(x64, eps=1e-5), dtype, f"instance_norm {layout} {shape}", scale=1.0, acc=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_dependent_launches_see_the_kernel_ahead(dtype):
+    """On sm_90 the affine pass launches as a dependent grid, dispatched while the kernel ahead
+    of it drains. A chain of them, each reading what the one ahead wrote and overwriting what
+    that one read (two buffers in turn), the first reading what a CuPy kernel just wrote, in a
+    stream and replayed from a CUDA graph, must give the float64 chain (rounded as each step
+    rounds, up to about one rounding a step). A kernel that ran early reads NaN or old values."""
+    import cupy
+    from nvdnn import compiler, runtime
+    shape, steps = (8, 256, 56, 56), 12  # 6.4M elements: each kernel spans several waves
+    per_step = {"float32": 1e-6, "float16": 1e-3}[dtype]  # one output rounding
+    src, src64 = _tensor(shape, dtype, "NHWC", -2.0, 2.0)
+    c = shape[1]
+    (mean, m64), (var, v64) = _channels(c, low=-0.1, high=0.1), _channels(c, low=0.9, high=1.1)
+    (gamma, g64), (beta, b64) = _channels(c, low=0.9, high=1.0), _channels(c, low=-0.2, high=0.2)
+    plan = bn.plan_batch_norm_inference(operand(src), operand(mean), operand(var), operand(gamma), operand(beta),
+                                        eps=1e-3)
+    if compiler.arch_number(compiler.device_arch()) >= 90:
+        assert isinstance(launcher.functions(plan, cupy.cuda.runtime.getDevice())[0], runtime.DependentFunction)
+    want = src64
+    for _ in range(steps):
+        want = ref.batch_norm(want, m64, v64, g64, b64, 1e-3).astype(host_dtype(dtype)).astype(np.float64)
+    extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
+    buffers = _like(src, dtype), _like(src, dtype)
+
+    def chain(stream):
+        a, b = buffers
+        b.fill(np.nan)
+        cupy.multiply(src, 1, out=a)  # a CuPy kernel right ahead of the first
+        for _ in range(steps):
+            launcher.run(plan, {"y": b, "x": a, **extra}, stream=stream)
+            a, b = b, a
+        return a
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        got = chain(stream)
+        stream.synchronize()
+        _close(got, want, dtype, f"{steps} dependent launches in a stream", scale=steps, acc=per_step)
+        stream.begin_capture()
+        got = chain(stream)
+        graph = stream.end_capture()
+        for buffer in buffers:  # what the stream run left would pass: poison it first
+            buffer.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+    _close(got, want, dtype, f"{steps} dependent launches in a CUDA graph", scale=steps, acc=per_step)

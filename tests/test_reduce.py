@@ -272,10 +272,12 @@ def test_plan_shapes():
     inf = bn.plan_batch_norm_inference(op((32, 256, 56, 56), "float16", nhwc((32, 256, 56, 56))), vec(256),
                                        vec(256), vec(256), vec(256), epilogue=[("relu", "")], params=(0.0, math.inf))
     assert len(inf.launches) == 1 and inf.launches[0].spec.vec == 8 and inf.launches[0].spec.layout == "col"
-    assert inf.launches[0].spec.block == 1024 and inf.launches[0].spec.pipeline and inf.launches[0].spec.cvec == 4
+    spec = inf.launches[0].spec  # one tile a block, coefficients staged, launched as a dependent grid
+    assert (spec.block, spec.unroll, spec.strided, spec.cvec, spec.dependent_launch) == (64, 4, False, 4, True)
+    assert inf.launches[0].grid == (32 * 56 * 56 // (2 * 4), 1, 1)
     one = bn.plan_batch_norm_inference(op((1, 256, 56, 56), "float16", nhwc((1, 256, 56, 56))), vec(256),
-                                       vec(256)).launches[0]  # batch 1: smaller blocks, every SM busy
-    assert one.spec.block * one.spec.min_blocks == 1024 and math.prod(one.grid) >= bn.SMS
+                                       vec(256)).launches[0]  # batch 1: still a tile for every SM
+    assert math.prod(one.grid) >= bn.SMS
     train = bn.plan_batch_norm_training(op((32, 256, 28, 28), "float16"), vec(256), vec(256), vec(256), vec(256))
     roles = {p for l in train.launches for p in l.pointers}
     assert roles >= {"y", "x", "gamma", "beta", "running_mean", "running_var", "saved_mean", "saved_invstd"}
@@ -499,3 +501,27 @@ def test_batch_norm_tiles_move_16_bytes_an_access(warmed, tmp_path):
             sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
             accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
             assert accesses and all(a.endswith(".128") or ".128." in a for a in accesses), (spec.uri, arch, accesses)
+
+
+def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
+    """A kernel launched as a dependent grid may start while the kernel ahead of it still writes:
+    on sm_90 its grid-dependency wait (ACQBULK) must come before its first load or store; on
+    sm_80 there is none (the runtime launches those plainly)."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    specs = [s for s in dict.fromkeys(R.preset() + _bn_target_tiles()) if s.dependent_launch]
+    assert {s.family for s in specs} == {"reduce_affine"} and len(specs) >= 20
+    for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1]:
+        for arch in ARCHS:
+            entry = warmed["entries"][(spec.uri, arch)]
+            path = tmp_path / f"{entry.key}.cubin"
+            path.write_bytes(entry.cubin)
+            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
+            memory = [i for i, o in enumerate(ops) if o in ("LDG", "STG", "LD", "ST", "LDS", "STS", "RED", "ATOM")]
+            assert memory, (spec.uri, arch)
+            if arch == "sm_80":
+                assert "ACQBULK" not in ops, spec.uri
+            else:
+                assert "ACQBULK" in ops and ops.index("ACQBULK") < memory[0], (spec.uri, ops[:memory[0] + 1])

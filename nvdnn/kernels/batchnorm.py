@@ -86,6 +86,7 @@ class AffineSpec(KernelSpec):
     family = "reduce_affine"
     tile_fields = ("bx", "block", "unroll", "min_blocks", "strided", "pipeline", "stream")
     template = "reduce/affine.cu.j2"
+    dependent_launch = True
 
     input: str
     output: str
@@ -324,7 +325,7 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
     else:
         cv = lay.c // vec
         rows = lay.n * lay.hw
-        loop = _col_loop(cv, rows, backward, per_sample, itemsize) if tile is None else {
+        loop = _col_loop(cv, backward, per_sample, itemsize) if tile is None else {
             f: getattr(tile, f) for f in AffineSpec.tile_fields}
         bx, block = loop["bx"], loop["block"]
         col_blocks = -(-cv // bx)
@@ -342,40 +343,26 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
 
 # The heuristic's col-layout tiles (AffineSpec tile fields but bx), by pass. Prediction for the
 # target, fp16 NHWC 32x256x56x56 bn+ReLU inference: 102.8 MB moved (x read, y written), at best
-# what a copy of the same bytes costs on the H200: 27.0-27.4 us (torch y.copy_(x), 3.75-3.81
-# TB/s). benchmarks/bench_copy.py finds no faster way to move these bytes: one 16-byte vector a
-# thread in blocks of 256, 27.2 us; grid-strided loops and bulk (TMA) copies 28.2-29.2.
-# So 3.8 TB/s (27.0 us) is past this size. Measured (sessions 4-5, benchmarks/RESULTS.md):
-# 16-bit, b1024 u2 m1 pipelined and streaming 27.9-28.5 us (3.61-3.68 TB/s); the staged
-# one-tile-a-block loops at best 27.6-27.9 for fp16 (b64 u4 m8, b128 u2 m8) but 29.0-30.9 for
-# bf16, so the grid-strided tile stays for both (the autotuner has the others). 32-bit (205.5
-# MB, copy 51.1-51.9 us): staged b256 u2 m5 streaming 52.0-52.8 us (3.89-3.95 TB/s) against
-# 55.2-55.4 for the grid-strided tile. Streaming alone on loads or on stores lost 0.5-2 us; on
-# both it won 0.4-0.8 on every grid-strided tile.
+# what a copy of the same bytes costs on the H200. benchmarks/bench_copy.py: between plain
+# launches no copy beats 27.0-27.4 us (cudaMemcpyAsync, 3.75-3.80 TB/s), of which about 1.5 us
+# is the gap between two kernels; launched as dependent grids (common/dependent_launch.cuh) one
+# 16-byte vector a thread takes 25.9 us (3.97). Measured with that launch (session 6, RESULTS.md):
+# 16-bit, the staged one-tile-a-block b64 u4 m8 26.0-26.2 us (3.92-3.95 TB/s), the grid-strided
+# b1024 u2 m1 pipelined tile 28.0-28.1. 32-bit (205.5 MB, copy 51.1-51.9 us): staged b256 u2 m5
+# streaming 52.0-52.8 us (3.89-3.95 TB/s, session 5) against 55.2-55.4 grid-strided.
 COL_LOOPS = {
-    "forward": {"block": 1024, "unroll": 2, "min_blocks": 1, "strided": True, "pipeline": True, "stream": True},
+    "forward": {"block": 64, "unroll": 4, "min_blocks": 8, "strided": False, "pipeline": False, "stream": False},
     "forward_wide": {"block": 256, "unroll": 2, "min_blocks": 5, "strided": False, "pipeline": False, "stream": True},
     "per_sample": {"block": 256, "unroll": 2, "min_blocks": 4, "strided": True, "pipeline": False, "stream": False},
     "backward": {"block": 256, "unroll": 2, "min_blocks": 2, "strided": True, "pipeline": False, "stream": False},
 }
 
 
-# Forward blocks from the largest down, 1024 threads an SM kept (min_blocks = 1024 / block): a
-# small tensor (batch 1) takes the largest block that still gives every SM a tile of rows.
-FORWARD_BLOCKS = (1024, 512, 256, 128)
-
-
-def _col_loop(cv: int, rows: int, backward: bool, per_sample: bool, itemsize: int) -> dict:
+def _col_loop(cv: int, backward: bool, per_sample: bool, itemsize: int) -> dict:
     """The heuristic's col-layout tile for rows of cv vectors of ``itemsize``-byte elements."""
     kind = ("backward" if backward else "per_sample" if per_sample else
             "forward_wide" if itemsize >= 4 else "forward")
-    bx = min(32, 1 << math.ceil(math.log2(cv)))
-    loop = {"bx": bx, **COL_LOOPS[kind]}
-    if kind == "forward":
-        blocks = {b: -(-rows // (b // bx * loop["unroll"])) * -(-cv // bx) for b in FORWARD_BLOCKS}
-        block = next((b for b in FORWARD_BLOCKS if blocks[b] >= SMS), FORWARD_BLOCKS[-1])
-        loop.update(block=block, min_blocks=FORWARD_BLOCKS[0] // block)
-    return loop
+    return {"bx": min(32, 1 << math.ceil(math.log2(cv))), **COL_LOOPS[kind]}
 
 
 def _stats(mode: str, param: str, affine: bool, update: bool, records, *, n: int, channels: int, group_size: int,
