@@ -7,7 +7,8 @@ higher rate than 100 MB ones: launch, ramp and drain are a larger share).
 Strategies (raw CUDA, compiled here at start): one 16-byte vector or a few a thread and a
 block per tile (plain or streaming cache hints), grid-strided loops over a grid of a few
 blocks an SM, and bulk (TMA) copies through shared memory; against cudaMemcpyAsync and, in a
-CUDA graph, both of the best. Each moves --mb megabytes in and the same out, timed as the other
+CUDA graph, both of the best; one vector a thread launched as a dependent grid (as nvdnn
+launches its memory-bound kernels on sm_90), in a stream and in a graph. Each moves --mb megabytes in and the same out, timed as the other
 benchmarks time (benchmarks/common.py).
 """
 from __future__ import annotations
@@ -59,6 +60,13 @@ VECTORS(tile_u2_stream, 2, true, false)
 VECTORS(strided_u4, 4, false, true)
 VECTORS(strided_u4_stream, 4, true, true)
 VECTORS(strided_u8_stream, 8, true, true)
+// launched as a dependent grid (nvdnn's common/dependent_launch.cuh): it may start while the copy
+// ahead of it drains, and waits for that copy's writes before its own loads
+extern "C" __global__ void tile_u1_dependent(const V* x, V* y, long long nv) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  copy_vectors<1, false, false>(x, y, nv);
+}
 
 // one thread a block moves CHUNK-byte pieces global -> shared -> global through STAGES slots
 __device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -118,7 +126,7 @@ def main():
     import cupy
     from cupy_backends.cuda.api import driver
 
-    from nvdnn import compiler
+    from nvdnn import compiler, runtime
     arch = compiler.device_arch()
     started = time.perf_counter()
     cubin = compiler.compile_cubin(SOURCE, name="bench_copy.cu", options=(f"-arch={arch}", "-std=c++17")).cubin
@@ -164,6 +172,10 @@ def main():
     report("cudaMemcpyAsync, CUDA graph", memcpy, in_graph=True)
     report("tile_u1 b256, CUDA graph", lambda i: tile((-(-nv // 256),), (256,), (xs[i], ys[i], np.int64(nv))),
            in_graph=True)
+    dependent = runtime.DependentFunction(module.get_function("tile_u1_dependent"))
+    for in_graph in (False, True):
+        report("tile_u1 b256, dependent launch" + (", CUDA graph" if in_graph else ""),
+               lambda i: dependent((-(-nv // 256),), (256,), (xs[i], ys[i], np.int64(nv))), in_graph=in_graph)
     print(f"copy of {nbytes / 1e6:.1f} MB ({moved / 1e6:.1f} MB moved)")
     print(table(rows, ["strategy", "us", "TB/s"]))
     write_json(args.json, device=props["name"].decode(), bytes=nbytes, rows=rows)
