@@ -346,10 +346,10 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
 # what a copy of the same bytes costs on the H200. benchmarks/bench_copy.py: between plain
 # launches no copy beats 27.0-27.4 us (cudaMemcpyAsync, 3.75-3.80 TB/s), of which about 1.5 us
 # is the gap between two kernels; launched as dependent grids (common/dependent_launch.cuh) one
-# 16-byte vector a thread takes 25.9 us (3.97). Measured with that launch (session 6, RESULTS.md):
-# 16-bit, the staged one-tile-a-block b64 u4 m8 26.0-26.2 us (3.92-3.95 TB/s), the grid-strided
-# b1024 u2 m1 pipelined tile 28.0-28.1. 32-bit (205.5 MB, copy 51.1-51.9 us): staged b256 u2 m5
-# streaming 52.0-52.8 us (3.89-3.95 TB/s, session 5) against 55.2-55.4 grid-strided.
+# 16-byte vector a thread takes 25.7 us (4.00). Measured with that launch (session 6, RESULTS.md):
+# 16-bit, the staged one-tile-a-block b64 u4 m8 25.8-25.9 us (3.96-3.98 TB/s); next b128 u2 m8
+# and b256 u4 m3 26.1-26.5; the grid-strided b1024 u2 m1 pipelined tile 27.2-28.1. 32-bit (205.5
+# MB, torch copy 51.4 us): staged b256 u2 m5 51.0 (4.03), streaming or not; grid-strided 54-55.
 COL_LOOPS = {
     "forward": {"block": 64, "unroll": 4, "min_blocks": 8, "strided": False, "pipeline": False, "stream": False},
     "forward_wide": {"block": 256, "unroll": 2, "min_blocks": 5, "strided": False, "pipeline": False, "stream": True},
