@@ -467,6 +467,14 @@ def test_every_preset_spec_compiles_without_spills(warmed):
     assert all(0 < e.meta["registers"] <= 128 for e in warmed["entries"].values())
 
 
+def _sass(tool: str, warmed, spec, arch: str, tmp_path) -> str:
+    """cuobjdump's SASS of the warmed kernel of (spec, arch)."""
+    entry = warmed["entries"][(spec.uri, arch)]
+    path = tmp_path / f"{entry.key}.cubin"
+    path.write_bytes(entry.cubin)
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+
+
 def test_main_kernels_use_128_bit_loads(warmed, tmp_path):
     tool = _cuobjdump()
     if tool is None:
@@ -481,10 +489,7 @@ def test_main_kernels_use_128_bit_loads(warmed, tmp_path):
     for plan in plans:
         main = plan.launches[0].spec if len(plan.launches) < 3 else plan.launches[0].spec
         for arch in ARCHS:
-            entry = warmed["entries"][(main.uri, arch)]
-            path = tmp_path / f"{entry.key}.cubin"
-            path.write_bytes(entry.cubin)
-            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+            sass = _sass(tool, warmed, main, arch, tmp_path)
             assert "LDG.E.128" in sass, f"{main.uri} [{arch}] has no 128-bit load"
 
 
@@ -495,10 +500,7 @@ def test_batch_norm_tiles_move_16_bytes_an_access(warmed, tmp_path):
         pytest.skip("cuobjdump not found")
     for spec in _bn_target_tiles():
         for arch in ARCHS:
-            entry = warmed["entries"][(spec.uri, arch)]
-            path = tmp_path / f"{entry.key}.cubin"
-            path.write_bytes(entry.cubin)
-            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+            sass = _sass(tool, warmed, spec, arch, tmp_path)
             accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
             assert accesses and all(a.endswith(".128") or ".128." in a for a in accesses), (spec.uri, arch, accesses)
 
@@ -514,10 +516,7 @@ def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
     assert {s.family for s in specs} == {"reduce_affine"} and len(specs) >= 20
     for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1]:
         for arch in ARCHS:
-            entry = warmed["entries"][(spec.uri, arch)]
-            path = tmp_path / f"{entry.key}.cubin"
-            path.write_bytes(entry.cubin)
-            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+            sass = _sass(tool, warmed, spec, arch, tmp_path)
             ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
             memory = [i for i, o in enumerate(ops) if o in ("LDG", "STG", "LD", "ST", "LDS", "STS", "RED", "ATOM")]
             assert memory, (spec.uri, arch)
