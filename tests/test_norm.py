@@ -16,9 +16,9 @@ from nvdnn import reference as ref
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import norm, tile_spec
 from nvdnn.kernels.pointwise import Operand
-from nvdnn.spec import KernelSpec
+from nvdnn.spec import FAMILIES, KernelSpec
 
-from .presets import warmed_preset
+from .presets import check_dependent_wait, warmed_preset
 from .test_compile import _cuobjdump
 
 ARCHS = ("sm_80", "sm_90")
@@ -587,3 +587,15 @@ def test_persistent_kernels_stage_rows_by_bulk_copies_and_push_statistics(sass):
         assert "UBLKCP.S.G" in text and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in text, uri
         assert "STAS.128" in text and text.count("UCGABAR_ARV") == 2, uri
         assert "LDS.128" in text and "STG.E.128" in text, uri
+
+
+def test_row_kernels_launch_as_dependent_grids_and_wait_first(sass):
+    """Every row family (norm, softmax, forward and backward, every split) waits for the grid
+    ahead before it touches memory; the column softmax and wgrad kernels launch plainly."""
+    waits = {uri.split("/")[0] for uri, _ in sass if FAMILIES[uri.split("/")[0]].dependent_launch}
+    assert waits == {"norm", "norm_bwd", "softmax", "softmax_bwd"}
+    for (uri, arch), text in sass.items():
+        if FAMILIES[uri.split("/")[0]].dependent_launch:
+            check_dependent_wait(text, arch, uri)
+        else:
+            assert "ACQBULK" not in text, uri

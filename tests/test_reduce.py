@@ -19,7 +19,7 @@ from nvdnn.kernels import reduce as R
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
 
-from .presets import warmed_preset
+from .presets import check_dependent_wait, warmed_preset
 from .test_compile import _cuobjdump
 
 ARCHS = ("sm_80", "sm_90")
@@ -506,9 +506,7 @@ def test_batch_norm_tiles_move_16_bytes_an_access(warmed, tmp_path):
 
 
 def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
-    """A kernel launched as a dependent grid may start while the kernel ahead of it still writes:
-    on sm_90 its grid-dependency wait (ACQBULK) must come before its first load or store; on
-    sm_80 there is none (the runtime launches those plainly)."""
+    """The affine pass launches as a dependent grid: its wait comes first (presets.check_dependent_wait)."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
@@ -516,11 +514,4 @@ def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
     assert {s.family for s in specs} == {"reduce_affine"} and len(specs) >= 20
     for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1]:
         for arch in ARCHS:
-            sass = _sass(tool, warmed, spec, arch, tmp_path)
-            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
-            memory = [i for i, o in enumerate(ops) if o in ("LDG", "STG", "LD", "ST", "LDS", "STS", "RED", "ATOM")]
-            assert memory, (spec.uri, arch)
-            if arch == "sm_80":
-                assert "ACQBULK" not in ops, spec.uri
-            else:
-                assert "ACQBULK" in ops and ops.index("ACQBULK") < memory[0], (spec.uri, ops[:memory[0] + 1])
+            check_dependent_wait(_sass(tool, warmed, spec, arch, tmp_path), arch, spec.uri)

@@ -102,6 +102,7 @@ def _epilogue_uri(steps) -> str:
 @dataclass(frozen=True, kw_only=True)
 class RowSpec(KernelSpec):
     """The tile and operand layout of a row kernel; each family adds its dtypes and options."""
+    dependent_launch = True  # templates/norm/rows.cu.j2's signature() waits first
     vec: int                 # elements per vector (one load of up to 16 bytes of the first row operand)
     nv: int                  # vectors per thread
     tpr: int                 # threads per row (per row chunk when the row is split)
