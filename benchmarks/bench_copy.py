@@ -24,7 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import graph_ms, sets_for, table, time_ms, write_json  # noqa: E402
 
-SOURCE = r'''
+from nvdnn import codegen  # noqa: E402
+
+# nvdnn's own grid-dependency helpers, as its dependent kernels use them
+SOURCE = (codegen.templates_dir() / "common" / "dependent_launch.cuh").read_text() + r'''
 struct __align__(16) V { unsigned a, b, c, d; };
 template <bool STREAM> __device__ __forceinline__ V load(const V* p) {
   if (!STREAM) return *p;
@@ -60,11 +63,11 @@ VECTORS(tile_u2_stream, 2, true, false)
 VECTORS(strided_u4, 4, false, true)
 VECTORS(strided_u4_stream, 4, true, true)
 VECTORS(strided_u8_stream, 8, true, true)
-// launched as a dependent grid (nvdnn's common/dependent_launch.cuh): it may start while the copy
-// ahead of it drains, and waits for that copy's writes before its own loads
+// launched as a dependent grid: it may start while the copy ahead of it drains, and waits for
+// that copy's writes before its own loads
 extern "C" __global__ void tile_u1_dependent(const V* x, V* y, long long nv) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  nvdnn::grid_dependency_wait();
+  nvdnn::launch_dependents();
   copy_vectors<1, false, false>(x, y, nv);
 }
 

@@ -100,15 +100,7 @@ class DependentFunction:
             raise CUDADriverError(int(status))
 
     def _config(self, key):
-        from cuda.bindings import driver
-        (grid, block, shared_mem, stream) = key
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = (*grid, 1, 1)[:3]
-        config.blockDimX, config.blockDimY, config.blockDimZ = (*block, 1, 1)[:3]
-        config.sharedMemBytes = shared_mem
-        config.hStream = driver.CUstream(stream)
-        config.attrs = self._attrs
-        config.numAttrs = 1
+        config = launch_config(*key, attrs=self._attrs)
         if len(self._configs) >= _CONFIGS_KEPT:
             self._configs.clear()
         self._configs[key] = config
@@ -164,14 +156,22 @@ def max_active_clusters(ptr: int, grid: tuple, block: tuple, shared_mem: int) ->
     """cuOccupancyMaxActiveClusters on the current context (the cluster shape is the kernel's
     own, compiled in); 0 where the driver refuses."""
     from cuda.bindings import driver
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes = shared_mem
-    config.hStream = 0
-    config.numAttrs = 0
-    status, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(ptr), config)
+    status, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(ptr), launch_config(grid, block, shared_mem))
     return int(count) if status == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def launch_config(grid, block, shared_mem: int, stream: int = 0, attrs: list = ()):
+    """The driver's CUlaunchConfig of one launch shape (grid and block of 1 to 3 dims)."""
+    from cuda.bindings import driver
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (*grid, 1, 1)[:3]
+    config.blockDimX, config.blockDimY, config.blockDimZ = (*block, 1, 1)[:3]
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream)
+    if attrs:
+        config.attrs = list(attrs)
+    config.numAttrs = len(attrs)
+    return config
 
 
 def loaded_count() -> int:

@@ -60,3 +60,10 @@ def test_dependent_specs_built_for_sm90_launch_as_dependent_grids(monkeypatch):
     found = runtime.function(binary("sm_90"), 0, dependent=True)
     assert isinstance(found, runtime.DependentFunction) and found.ptr == Plain.ptr
     assert runtime.function(binary("sm_90a"), 0, dependent=True) is found  # one wrapper a kernel
+
+
+def test_a_launch_config_pads_grid_and_block_to_three_dims():
+    config = runtime.launch_config((5,), (64, 2), 128)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (5, 1, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes) == (64, 2, 1, 128)
+    assert config.numAttrs == 0
