@@ -102,20 +102,20 @@ def tile_row(tile: str, heuristic: bool, ms: float, moved: int, **extra) -> dict
             "TB/s": f"{moved / (ms * 1e-3) / 1e12:.2f}"}
 
 
-def host_us_per_call(fn, calls: int = 20000) -> float:
-    """Host time per call (µs) of a call the GPU keeps up with: tiny tensors, no sync inside."""
+def host_us_per_call(fn, calls: int = 20000, warmup: int = 200) -> float:
+    """Wall-clock time per call (µs) of ``calls`` back-to-back calls, synchronized at the end: the
+    host's cost for calls the GPU keeps up with (tiny tensors, no sync inside), else the GPU's."""
     import time
 
     import cupy
-    for _ in range(200):
+    for _ in range(warmup):
         fn()
     cupy.cuda.Device().synchronize()
     started = time.perf_counter()
     for _ in range(calls):
         fn()
-    elapsed = time.perf_counter() - started
     cupy.cuda.Device().synchronize()
-    return elapsed / calls * 1e6
+    return (time.perf_counter() - started) / calls * 1e6
 
 
 def sets_for(bytes_per_set: int) -> int:

@@ -52,7 +52,8 @@ def gpu_test_graphs(arch):
 
 
 def matmul_specs():
-    """Every kernel tests/test_gpu_matmul.py and benchmarks/bench_matmul.py launch (deviceless plans)."""
+    """Every kernel tests/test_gpu_matmul.py, benchmarks/bench_matmul.py and bench_matmul_sweep.py launch
+    (deviceless plans)."""
     from tests import test_gpu_matmul as t
     import bench_matmul
     plans = [t.case_plans(c) for c in t.CASES + t.BIG]
@@ -60,6 +61,8 @@ def matmul_specs():
     for _, dtype, size, epilogue, precision in bench_matmul.CASES:
         base, tiles, _ = bench_matmul.plans(dtype, size, epilogue, precision)
         plans += [base, *tiles]
+    import bench_matmul_sweep
+    plans += [plan for _, plan in bench_matmul_sweep.plans()]
     specs = [launch.spec for plan in plans for launch in plan.launches]
     for g in t.matmul_graphs("sm_90"):
         g.validate().build_operation_graph().create_execution_plans().check_support()
