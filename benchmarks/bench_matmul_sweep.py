@@ -326,9 +326,6 @@ def run_row(torch, row: Row, sms: int) -> dict:
             out[f"{who}_tflops"] = row.flops / (out[f"{who}_ms"] * 1e9)
             if row.m <= 64:
                 out[f"{who}_tbs"] = row.nbytes / (out[f"{who}_ms"] * 1e9)
-    if torch is not None:
-        torch.cuda.empty_cache()
-    cupy.get_default_memory_pool().free_all_blocks()
     return out
 
 
@@ -404,6 +401,9 @@ def main():
     results = []
     for i, row in enumerate(selected):
         results.append(run_row(torch, row, sms))
+        cupy.get_default_memory_pool().free_all_blocks()  # the row's arrays, before the next row's
+        if torch is not None:
+            torch.cuda.empty_cache()
         c = _cell(results[-1], COLUMNS)
         print(f"[{i + 1}/{len(selected)}] {row.dtype} {row.name} {row.dims}: ratio {c['ratio']}, check {c['check']}, "
               f"nvdnn {c['nv ms']} ms {c['nv us/call']} us/call, torch {c['pt ms']} ms {c['pt us/call']} us/call",
