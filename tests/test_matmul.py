@@ -1,6 +1,6 @@
 """Matmul on the CPU: the float64 reference, shape / type errors, which kernel the heuristic
-picks (wgmma on aligned K-major Hopper operands, mma.sync on sm_80 and other layouts, simt for
-exact fp32 and strided operands), fp8 refused on sm_80, split-K plans, the graph op and its
+picks (wgmma on aligned Hopper operands: 16-bit in either major-ness, tf32 / fp8 K-major;
+mma.sync on sm_80 and the other layouts, simt for exact fp32 and strided operands), fp8 refused on sm_80, split-K plans, the graph op and its
 fused epilogue, and the whole preset compiled for the archs that run it: no spills, HGMMA /
 QGMMA in the Hopper SASS, no local-memory traffic."""
 from __future__ import annotations
@@ -74,9 +74,15 @@ def test_heuristic_kernels():
     a, w = op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096)
     assert _kernel(mm.plan_matmul(a, w, arch="sm_90")).kernel == "wgmma"
     assert _kernel(mm.plan_matmul(a, w, arch="sm_80")).kernel == "mma"
-    # N-major B has no K-major tensor map: the mma.sync kernel (ldmatrix.trans)
-    spec = _kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_90"))
-    assert (spec.kernel, spec.b_major, spec.vec) == ("mma", "n", 8)
+    # N-major B (NumPy's a @ b): wgmma's transpose mode, boxes of 64 N by 64 K
+    plan = mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_90")
+    assert (_kernel(plan).kernel, _kernel(plan).b_major) == ("wgmma", "n")
+    assert [m.box for m in plan.launches[0].args if isinstance(m, mm.TensorMapArg)][1] == (64, 64, 1)
+    assert (_kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_80")).b_major) == "n"
+    # tf32 has no transpose mode on wgmma: an N-major B stays on mma.sync
+    f32n = _kernel(mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32",
+                                  arch="sm_90"))
+    assert (f32n.kernel, f32n.b_major) == ("mma", "n")
     # K = 7: rows 14 bytes apart, no tensor map, one element per copy
     spec = _kernel(mm.plan_matmul(op("float16", (33, 7)), weight("float16", 7, 9), arch="sm_90"))
     assert (spec.kernel, spec.vec) == ("mma", 1)
@@ -94,6 +100,17 @@ def test_heuristic_kernels():
     # a misaligned address refuses the tensor map
     assert _kernel(mm.plan_matmul(op("bfloat16", (256, 256), align=8), weight("bfloat16", 256, 256),
                                   arch="sm_90")).kernel == "mma"
+
+
+@pytest.mark.parametrize("dtype", mm.HALF)
+def test_every_16_bit_layout_plans_to_wgmma_on_hopper(dtype):
+    """x @ w.T, a @ b, a.T @ b, a.T @ b.T, batched and broadcast: the TMA + wgmma kernel each
+    (their cubins are in the preset, whose SASS the tests below read for HGMMA)."""
+    preset = set(mm.preset())
+    for a, b in mm.layouts(dtype):
+        spec = _kernel(mm.plan_matmul(a, b, arch="sm_90"))
+        assert spec.kernel == "wgmma", (a, b, spec.uri)
+        assert spec in preset
 
 
 def test_fp8_on_hopper_and_refused_on_ampere():
@@ -165,7 +182,11 @@ def test_specs_validate_and_round_trip():
             assert c.kernel == spec.kernel if isinstance(spec, mm.MatmulSpec) else True
     good = _kernel(mm.plan_matmul(op("bfloat16", (512, 512)), weight("bfloat16", 512, 512), arch="sm_90"))
     with pytest.raises(ValidationError):
-        mm.MatmulSpec(**{**good.to_dict()["fields"], "b_major": "n"})
+        mm.MatmulSpec(**{**good.to_dict()["fields"], "b_major": "any"})
+    tf32 = _kernel(mm.plan_matmul(op("float32", (512, 512)), weight("float32", 512, 512), precision="tf32",
+                                  arch="sm_90"))
+    with pytest.raises(ValidationError):   # no transpose mode for 32-bit (and 8-bit) wgmma operands
+        mm.MatmulSpec(**{**tf32.to_dict()["fields"], "b_major": "n"})
     with pytest.raises(ValidationError):
         mm.MatmulSpec(**{**good.to_dict()["fields"], "stages": 6, "bn": 256})   # shared memory
 

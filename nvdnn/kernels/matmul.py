@@ -8,8 +8,9 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
 - ``wgmma`` (sm_90a): Hopper's warpgroup MMA on 128-byte-swizzled shared tiles loaded by TMA
   (a tensor map per operand, built at launch: ``TensorMapArg``), a ring of full / empty
   mbarriers, one producer warpgroup and one or two consumer warpgroups, a persistent grid
-  walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) and fp8
-  e4m3 / e5m2 (k32); K-major A and B, 16-byte aligned strides and addresses.
+  walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) with A and B
+  in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 and fp8 e4m3 /
+  e5m2 (k32) K-major; 16-byte aligned strides and addresses.
 - ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32) fed by ldmatrix from a
   cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
   in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
@@ -203,8 +204,8 @@ class MatmulSpec(KernelSpec):
 
     def _validate_wgmma(self):
         width = _size(self.a_dtype)
-        one_of(self.a_major, ("k",), "a_major")
-        one_of(self.b_major, ("k",), "b_major")
+        one_of(self.a_major, ("k", "m") if self.a_dtype in HALF else ("k",), "a_major")  # 16-bit: wgmma transposes
+        one_of(self.b_major, ("k", "n") if self.a_dtype in HALF else ("k",), "b_major")
         one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
         one_of(self.bm, (64, 128, 256), "bm")
         one_of(self.bn, (64, 128, 192, 256), "bn")
@@ -263,7 +264,7 @@ class MatmulSpec(KernelSpec):
         """Dynamic shared memory of one block."""
         if self.kernel == "wgmma":
             stage = (self.bm + self.bn) * self.bk * _size(self.a_dtype)
-            return 1024 + self.stages * stage + 2 * 8 * self.stages + 16
+            return 1024 + self.stages * stage + self.wm * 4 * 2048 + 2 * 8 * self.stages + 16  # + staged output rows
         if self.kernel == "mma":
             width = _size(self.a_dtype)
             pad = 16 // width
@@ -304,7 +305,8 @@ class MatmulSpec(KernelSpec):
             "kernel": self.kernel, "a_t": in_t, "b_t": _CTYPE[self.b_dtype],
             "a_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.a_dtype, "f32"),
             "b_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.b_dtype, "f32"),
-            "wgmma_trans": self.a_dtype in HALF,  # transpose flags exist for 16-bit types only
+            # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
+            "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
             "a_major": self.a_major, "b_major": self.b_major, "split": self.split,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
@@ -635,9 +637,11 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
                   sms or _sm_count(), split_k)
 
 
-def _tma_ok(major, lead, width, align, rows_stride_b) -> bool:
-    """A tensor map needs a K-major operand, a 16-byte aligned address and 16-byte strides."""
-    return (major == "k" and align % 16 == 0 and lead > 0 and rows_stride_b >= 0
+def _tma_ok(major, majors, lead, width, align, rows_stride_b) -> bool:
+    """A tensor map of a wgmma operand: a major-ness the kernel reads (``majors``), a 16-byte
+    aligned address, and 16-byte multiples for the stride of the non-contiguous dim (``lead``)
+    and the batch's."""
+    return (major in majors and align % 16 == 0 and lead > 0 and rows_stride_b >= 0
             and (lead * width) % 16 == 0 and (rows_stride_b * width) % 16 == 0
             and max(lead, rows_stride_b) * width < 2 ** 40)  # tensor map strides: positive, below 2^40
 
@@ -677,9 +681,11 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     width = _size(req.a_dtype)
     out = []
     tensor_cores = req.a_dtype != "float32" or precision == "tf32"
-    if tensor_cores and arch_n == 90 and _tma_ok(a_major, a_sm, width, a_align, geo.a[2]) \
-            and _tma_ok(b_major, b_sn, width, b_align, geo.b[2]):
-        out.append(("wgmma", dict(a_major="k", b_major="k", precision="tf32" if width == 4 else "", vec=0,
+    a_wg, b_wg = (("k", "m"), ("k", "n")) if req.a_dtype in HALF else (("k",), ("k",))
+    if tensor_cores and arch_n == 90 and _tma_ok(a_major, a_wg, a_sm if a_major == "k" else a_sk, width, a_align,
+                                                 geo.a[2]) \
+            and _tma_ok(b_major, b_wg, b_sn if b_major == "k" else b_sk, width, b_align, geo.b[2]):
+        out.append(("wgmma", dict(a_major=a_major, b_major=b_major, precision="tf32" if width == 4 else "", vec=0,
                                   promote=req.a_dtype in FP8 and precision == "exact")))
     if req.a_dtype in HALF or (req.a_dtype == "float32" and precision == "tf32"):
         if a_major != "any" and b_major != "any":
@@ -775,11 +781,10 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         return Plan(tuple(launches), scratch=(splits * batch * m * n * 4,))
     pointers = ("y", "a", "b") + epi_roles
     if spec.kernel == "wgmma":
-        width = _size(spec.a_dtype)
-        maps = (TensorMapArg(1, spec.a_dtype, (k, m, batch if geo.a[2] else 1),
-                             (a_sm * width, (geo.a[2] or m * a_sm) * width), (spec.bk, spec.bm, 1)),
-                TensorMapArg(2, spec.b_dtype, (k, n, batch if geo.b[2] else 1),
-                             (b_sn * width, (geo.b[2] or n * b_sn) * width), (spec.bk, spec.bn // spec.cluster, 1)))
+        maps = (_operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk,
+                             spec.bm),
+                _operand_map(2, spec.b_dtype, spec.b_major == "k", n, k, b_sn, b_sk, geo.b[2], batch, spec.bk,
+                             spec.bn // spec.cluster))
         c = spec.cluster
         tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * batch   # tile groups of c blocks
         grid = (c * max(1, min(sms // c, tiles)), 1, 1)
@@ -789,6 +794,19 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch))
     launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, pointers, geometry_args + epi_args))
     return Plan(tuple(launches))
+
+
+def _operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:
+    """The tensor map of a wgmma operand of ``rows`` (M or N) x K: K-major, a (K, rows, batch)
+    tensor read in (BK, box_rows) boxes; MN-major, a (rows, K, batch) tensor read in boxes of one
+    128-byte row of MN by BK (the kernel takes box_rows / 64 of them)."""
+    width = _size(dtype)
+    batches = batch if s_batch else 1
+    if k_major:
+        return TensorMapArg(pointer, dtype, (k, rows, batches), (s_row * width, (s_batch or rows * s_row) * width),
+                            (bk, box_rows, 1))
+    return TensorMapArg(pointer, dtype, (rows, k, batches), (s_k * width, (s_batch or k * s_k) * width),
+                        (128 // width, bk, 1))
 
 
 def _checked_grid(grid: tuple) -> tuple:
@@ -852,6 +870,24 @@ def unsupported_reason(spec, arch: str) -> str | None:
     return None
 
 
+def layouts(dtype: str) -> list:
+    """(A, B) operand pairs of the layouts users write: A K- or M-major (``x``, ``x.T``) times B
+    K- or N-major (``w.T`` of an (N, K) weight, a row-major (K, N) ``b``), unbatched and batched
+    (attention scores q @ k^T, p @ v; a weight broadcast over the batch; one A broadcast over
+    many B)."""
+    def op(shape, strides=None):
+        return Operand(dtype, shape, strides or pointwise_contiguous(shape))
+    n = 1024
+    out = [(op((n, n), (1, n)) if a_m else op((n, n)), op((n, n)) if b_n else op((n, n), (1, n)))
+           for a_m in (False, True) for b_n in (False, True)]
+    s, d = 512, 128
+    out += [(op((32, s, d)), op((32, d, s), (s * d, 1, d))),   # q @ k.transpose(-1, -2): K-major B
+            (op((32, s, s)), op((32, s, d))),                  # p @ v: N-major B
+            (op((8, s, n)), op((n, n), (1, n))),               # x @ w.T, w shared by the batch
+            (op((1, s, n)), op((8, n, d)))]                    # one A against a batch of B
+    return out
+
+
 def preset() -> list:
     """What nvdnn.matmul and the graph op run on aligned, packed tensors: every input type on its
     fast kernel (Hopper and Ampere) and the simt fallback, epilogues of the reference workloads
@@ -880,7 +916,8 @@ def preset() -> list:
                             epilogue=[("gelu", "")], arch=arch))
             add(plan_matmul(a, w, bias=bias, epilogue=[("relu", "")], params=(0.0, math.inf), arch=arch))
             add(plan_matmul(a, w, residual=op(dt, (big, big)), arch=arch))
-            add(plan_matmul(op(dt, (big, big), (1, big)), bn, arch=arch))           # A M-major
+            for a_t, b_t in layouts(dt):                                              # every major-ness, batched
+                add(plan_matmul(a_t, b_t, arch=arch))
             add(plan_matmul(op(dt, (64, 16384)), op(dt, (16384, 64), (1, 16384)), arch=arch))  # split-K
             for cand in candidates(next(s for s in specs if isinstance(s, MatmulSpec) and s.a_dtype == dt
                                         and s.kernel == ("wgmma" if arch == "sm_90" else "mma"))):

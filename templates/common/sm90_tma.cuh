@@ -21,6 +21,19 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* dst, const TmaDesc* 
                   "r"(c0), "r"(c1), "r"(c2), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))), "h"(mask)
                : "memory");
 }
+// A tile of an operand whose contiguous dim is M or N (no transpose in the copy): ``chunks``
+// boxes of ``width`` MN elements (128 bytes) by the box's K rows, box c taken at MN coordinate
+// mn + c * width and written ``chunk_bytes`` after box c - 1 (what smem_desc_sw128_mn reads).
+// ``mask`` != 0: each box multicast to those cluster ranks.
+__device__ __forceinline__ void tma_load_mn_chunks(void* dst, const TmaDesc* map, int mn, int k, int b, int chunks,
+                                                   int width, unsigned chunk_bytes, unsigned long long* bar,
+                                                   unsigned short mask = 0) {
+  unsigned char* out = static_cast<unsigned char*>(dst);
+  for (int c = 0; c < chunks; ++c) {
+    if (mask) tma_load_3d_multicast(out + c * chunk_bytes, map, mn + c * width, k, b, bar, mask);
+    else tma_load_3d(out + c * chunk_bytes, map, mn + c * width, k, b, bar);
+  }
+}
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
