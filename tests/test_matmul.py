@@ -16,6 +16,7 @@ from nvdnn import reference as ref
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import matmul as mm
 from nvdnn.kernels.pointwise import Operand
+from nvdnn.kernels.repack import RepackSpec
 from nvdnn.spec import KernelSpec
 
 from .presets import warmed_preset
@@ -79,10 +80,21 @@ def test_heuristic_kernels():
     assert (_kernel(plan).kernel, _kernel(plan).b_major) == ("wgmma", "n")
     assert [m.box for m in plan.launches[0].args if isinstance(m, mm.TensorMapArg)][1] == (64, 64, 1)
     assert (_kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_80")).b_major) == "n"
-    # tf32 has no transpose mode on wgmma: an N-major B stays on mma.sync
-    f32n = _kernel(mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32",
+    # tf32 has no transpose mode on wgmma: an N-major B is repacked K-major into scratch first
+    # (from 2^24 multiply-adds; below, mma.sync reads it as it is)
+    plan = mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32", arch="sm_90")
+    first, gemm = plan.launches
+    assert isinstance(first.spec, RepackSpec) and first.pointers == ("scratch0", "b") and first.spec.read_along == "r"
+    assert (gemm.spec.kernel, gemm.spec.b_major, gemm.pointers) == ("wgmma", "k", ("y", "a", "scratch0"))
+    assert plan.scratch == (256 * 256 * 4,)
+    f32n = _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), precision="tf32",
                                   arch="sm_90"))
     assert (f32n.kernel, f32n.b_major) == ("mma", "n")
+    # rows of a prime length: no 16-byte row stride; both operands repacked at a padded pitch
+    plan = mm.plan_matmul(op("bfloat16", (509, 1021)), op("bfloat16", (1021, 251)), arch="sm_90")
+    assert [l.pointers for l in plan.launches] == [("scratch0", "a"), ("scratch1", "b"), ("y", "scratch0", "scratch1")]
+    maps = [m for m in plan.launches[2].args if isinstance(m, mm.TensorMapArg)]
+    assert [m.strides[0] for m in maps] == [1024 * 2, 1024 * 2] and plan.scratch == (509 * 1024 * 2, 251 * 1024 * 2)
     # K = 7: rows 14 bytes apart, no tensor map, one element per copy
     spec = _kernel(mm.plan_matmul(op("float16", (33, 7)), weight("float16", 7, 9), arch="sm_90"))
     assert (spec.kernel, spec.vec) == ("mma", 1)
@@ -98,7 +110,7 @@ def test_heuristic_kernels():
     strided = op("float16", (64, 64), (128, 2))
     assert _kernel(mm.plan_matmul(strided, op("float16", (64, 64)), arch="sm_90")).kernel == "simt"
     # a misaligned address refuses the tensor map
-    assert _kernel(mm.plan_matmul(op("bfloat16", (256, 256), align=8), weight("bfloat16", 256, 256),
+    assert _kernel(mm.plan_matmul(op("bfloat16", (128, 128), align=8), weight("bfloat16", 128, 128),
                                   arch="sm_90")).kernel == "mma"
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
-from . import Launch, Plan, pointwise
+from . import Launch, Plan, pointwise, repack
 from .pointwise import Operand
 
 KERNELS = ("simt", "mma", "wgmma")
@@ -631,10 +631,31 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     a_major, a_sm, a_sk = _major(geo.a[0], geo.a[1], m, k, "k", "m")
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
+    sms = sms or _sm_count()
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
-                   arch_n, tile, split_k)
-    return _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, alpha, beta, params,
-                  sms or _sm_count(), split_k)
+                   arch_n, tile, split_k, sms)
+    repacks, scratch = [], []
+    if spec.kernel == "wgmma":  # operands the tensor maps cannot read: a K-major copy in scratch first
+        for role, dt, major, (rows, s_mn, s_k), align, s_b in (
+                ("a", a.dtype, a_major, (m, a_sm, a_sk), a.align, geo.a[2]),
+                ("b", b.dtype, b_major, (n, b_sn, b_sk), b.align, geo.b[2])):
+            if not _wgmma_direct(dt, major, s_mn, s_k, align, s_b):
+                launch, size = repack.plan_repack(dt, geo.batch, rows, k, (s_b, s_mn, s_k), f"scratch{len(scratch)}",
+                                                  role)
+                repacks.append(launch)
+                scratch.append(size)
+                pitch = repack.pitch(k, dt)
+                if role == "a":
+                    a_sm, a_sk, geo = pitch, 1, geo._replace(a=(pitch, 1, rows * pitch if s_b else 0))
+                else:
+                    b_sn, b_sk, geo = pitch, 1, geo._replace(b=(1, pitch, rows * pitch if s_b else 0))
+    plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, alpha, beta, params,
+                  sms, split_k)
+    if not repacks:
+        return plan
+    renamed = {r.pointers[1]: r.pointers[0] for r in repacks}
+    launches = tuple(l._replace(pointers=tuple(renamed.get(p, p) for p in l.pointers)) for l in plan.launches)
+    return Plan(tuple(repacks) + launches, scratch=tuple(scratch))
 
 
 def _tma_ok(major, majors, lead, width, align, rows_stride_b) -> bool:
@@ -646,7 +667,16 @@ def _tma_ok(major, majors, lead, width, align, rows_stride_b) -> bool:
             and max(lead, rows_stride_b) * width < 2 ** 40)  # tensor map strides: positive, below 2^40
 
 
-def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile, split_k) -> MatmulSpec:
+REPACK_MIN_WORK = 1 << 24   # multiply-adds from which a repack pass ahead of wgmma beats mma.sync / simt
+
+
+def _wgmma_direct(dtype, major, s_mn, s_k, align, s_batch) -> bool:
+    """Whether the wgmma kernel's tensor map reads an operand as it is (else it is repacked)."""
+    majors = ("k", "m", "n") if dtype in HALF else ("k",)
+    return _tma_ok(major, majors, s_mn if major == "k" else s_k, _size(dtype), align, s_batch)
+
+
+def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile, split_k, sms) -> MatmulSpec:
     """The heuristic's spec (or ``tile``'s kernel and tile on this request, when it fits)."""
     base = dict(a_dtype=req.a_dtype, b_dtype=req.b_dtype, out_dtype=req.out_dtype, bias=req.bias,
                 bias_dtype=req.bias_dtype, residual=req.residual, epilogue=req.epilogue, amax=req.amax,
@@ -664,14 +694,16 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                     break
     kernel, fields = options[0]
     if kernel == "wgmma" and len(options) > 1 and options[1][0] == "mma" and (
-            (split_k or 0) > 1 or (split_k is None and _skinny(geo))):
+            (split_k or 0) > 1 or (split_k is None and _skinny(geo, sms))):
         kernel, fields = options[1]  # few output tiles over a long K: split-K on the mma kernel
-    return MatmulSpec(kernel=kernel, **base, **fields, **_heuristic_tile(kernel, req, geo, fields.get("promote", False)))
+    return MatmulSpec(kernel=kernel, **base, **fields,
+                      **_heuristic_tile(kernel, req, geo, fields.get("promote", False), sms))
 
 
-def _skinny(geo: Geometry) -> bool:
-    """Output tiles of the persistent kernel would fill less than half the GPU while K is long."""
-    return geo.k >= SPLIT_MIN_K and -(-geo.m // 128) * -(-geo.n // 128) * geo.batch * 2 <= DEFAULT_SMS
+def _skinny(geo: Geometry, sms: int = DEFAULT_SMS) -> bool:
+    """The heuristic's wgmma tiles would fill less than half the GPU while K is long."""
+    bm, bn = _wgmma_tile(geo, sms)[:2]
+    return geo.k >= SPLIT_MIN_K and -(-geo.m // bm) * -(-geo.n // bn) * geo.batch * 2 <= sms
 
 
 def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
@@ -681,11 +713,12 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     width = _size(req.a_dtype)
     out = []
     tensor_cores = req.a_dtype != "float32" or precision == "tf32"
-    a_wg, b_wg = (("k", "m"), ("k", "n")) if req.a_dtype in HALF else (("k",), ("k",))
-    if tensor_cores and arch_n == 90 and _tma_ok(a_major, a_wg, a_sm if a_major == "k" else a_sk, width, a_align,
-                                                 geo.a[2]) \
-            and _tma_ok(b_major, b_wg, b_sn if b_major == "k" else b_sk, width, b_align, geo.b[2]):
-        out.append(("wgmma", dict(a_major=a_major, b_major=b_major, precision="tf32" if width == 4 else "", vec=0,
+    a_direct = _wgmma_direct(req.a_dtype, a_major, a_sm, a_sk, a_align, geo.a[2])
+    b_direct = _wgmma_direct(req.a_dtype, b_major, b_sn, b_sk, b_align, geo.b[2])
+    if tensor_cores and arch_n == 90 and ((a_direct and b_direct) or geo.m * geo.n * geo.k >= REPACK_MIN_WORK):
+        # an operand no tensor map reads is repacked K-major first (kernels/repack.py)
+        out.append(("wgmma", dict(a_major=a_major if a_direct else "k", b_major=b_major if b_direct else "k",
+                                  precision="tf32" if width == 4 else "", vec=0,
                                   promote=req.a_dtype in FP8 and precision == "exact")))
     if req.a_dtype in HALF or (req.a_dtype == "float32" and precision == "tf32"):
         if a_major != "any" and b_major != "any":
@@ -701,19 +734,46 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     return out
 
 
-def _heuristic_tile(kernel, req, geo, promote) -> dict:
+# wgmma tiles the heuristic weighs: (bm, bn, stages, consumer warpgroups) -> throughput of one
+# block relative to 128 x 256 (H200, bf16, the tile sweep of session 7: 128 x 128 ran at about
+# 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55)
+WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2): 0.93, (64, 128, 6, 1): 0.8,
+                   (64, 64, 6, 1): 0.55}
+
+
+def _wgmma_tile(geo: Geometry, sms: int) -> tuple:
+    """The tile of least modelled time: whole waves of tiles over the SMs (the last partial
+    wave costs a full one) times a tile's work over its relative throughput. Up to 64 rows of
+    A (decode: a weight streamed from memory) take one warpgroup of 64 rows, 128 columns while
+    those tiles fill one wave, else 256 (fewer, longer streams)."""
+    if geo.m <= 64:
+        return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
+
+    def cost(tile):
+        bm, bn = tile[0], tile[1]
+        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
+        return -(-tiles // sms) * bm * bn / WGMMA_HEURISTIC[tile]
+    return min(WGMMA_HEURISTIC, key=cost)
+
+
+def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
+    if kernel == "wgmma" and not promote:
+        bm, bn, stages, wm = _wgmma_tile(geo, sms)
+        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
+        # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3: fp16
+        # 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69; equal at 4096^3)
+        return dict(bm=bm, bn=bn, bk=128 // _size(req.a_dtype), stages=stages, wm=wm, wn=1, group_m=8,
+                    cluster=2 if (bm, bn) == (128, 256) and tiles >= 8 * sms else 1)
     if kernel == "wgmma":
         bk = 128 // _size(req.a_dtype)
+        if geo.m <= 64:  # decode: one warpgroup of 64 rows (two accumulator sets of 64 registers)
+            return dict(bm=64, bn=128, bk=bk, stages=6, wm=1, wn=1, group_m=8)
         if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
             return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
-        # Many waves of 128 x 256 tiles (128 x 192 promoting: two accumulator sets): pairs of
-        # blocks share B by multicast (H200, 8192^3: fp16 0.91x cuBLAS against 0.88x alone,
-        # bias+GELU 1.58 ms against 1.69, fp8 1303 TFLOP/s against 1268; equal at 4096^3, where
-        # single blocks stay)
-        bn = 192 if promote else 256
-        tiles = -(-geo.m // 128) * -(-geo.n // bn) * geo.batch
-        return dict(bm=128, bn=bn, bk=bk, stages=5 if promote else 4, wm=2, wn=1, group_m=8,
-                    cluster=2 if tiles >= 8 * DEFAULT_SMS else 1)
+        # fp8 drained into float32 (two accumulator sets): many waves of 128 x 192 tiles, pairs
+        # of blocks sharing B by multicast (H200 8192^3: 1303 TFLOP/s against 1268 alone)
+        tiles = -(-geo.m // 128) * -(-geo.n // 192) * geo.batch
+        return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8, cluster=2 if tiles >= 8 * sms else 1)
     if kernel == "mma":
         if req.a_dtype == "float32":
             return dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
@@ -820,7 +880,8 @@ def _checked_grid(grid: tuple) -> tuple:
 # -- autotuning and presets -------------------------------------------------------------------------
 
 WGMMA_TILES = ((128, 256, 4, 2, 1), (128, 256, 4, 2, 2), (128, 128, 5, 2, 1), (128, 128, 5, 2, 2),
-               (256, 128, 4, 2, 1), (256, 128, 4, 2, 2), (128, 256, 3, 2, 1), (128, 128, 4, 1, 1))
+               (256, 128, 4, 2, 1), (256, 128, 4, 2, 2), (128, 256, 3, 2, 1), (128, 128, 4, 1, 1),
+               (64, 256, 4, 1, 1), (64, 128, 6, 1, 1), (64, 64, 6, 1, 1))   # one warpgroup of 64 rows
 WGMMA_PROMOTE_TILES = ((128, 192, 5, 2), (128, 192, 5, 1), (128, 128, 6, 2), (128, 128, 6, 1))  # bm, bn, stages, cluster
 MMA_TILES = ((128, 128, 32, 4, 2, 4), (128, 128, 32, 3, 2, 4), (128, 256, 32, 3, 2, 4), (64, 64, 64, 4, 2, 2),
              (128, 64, 32, 4, 4, 2), (64, 128, 32, 4, 2, 2))
@@ -854,7 +915,7 @@ def unsupported_reason(spec, arch: str) -> str | None:
     """Why ``arch`` cannot run ``spec``, or None."""
     from ..compiler import arch_number
     number = arch_number(arch)
-    if isinstance(spec, MatmulZeroSpec):
+    if isinstance(spec, (MatmulZeroSpec, repack.RepackSpec)):
         return None
     if number < 80:
         return "matmul kernels need sm_80 or later (bfloat16, cp.async, mma.sync)"
