@@ -99,7 +99,13 @@ def test_heuristic_kernels():
     spec = _kernel(mm.plan_matmul(op("float16", (33, 7)), weight("float16", 7, 9), arch="sm_90"))
     assert (spec.kernel, spec.vec) == ("mma", 1)
     f32 = op("float32", (256, 256))
-    assert _kernel(mm.plan_matmul(f32, f32, arch="sm_90")).kernel == "simt"
+    assert _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), arch="sm_90")).kernel == "simt"
+    # exact float32 from 2^24 multiply-adds: 3xTF32, both operands split into tf32 hi / lo planes
+    plan = mm.plan_matmul(f32, f32, arch="sm_90")
+    assert [l.spec.split for l in plan.launches[:2]] == ["a", "b"] and plan.scratch == (256 * 768 * 4,) * 2
+    assert (plan.launches[2].spec.kernel, plan.launches[2].spec.precision, int(plan.launches[2].args[4])) == \
+        ("wgmma", "tf32", 3 * 256)
+    assert _kernel(mm.plan_matmul(f32, f32, arch="sm_80")).kernel == "simt"
     tf32 = _kernel(mm.plan_matmul(f32, weight("float32", 256, 256), precision="tf32", arch="sm_90"))
     assert (tf32.kernel, tf32.precision, tf32.bk) == ("wgmma", "tf32", 32)
     assert _kernel(mm.plan_matmul(f32, f32, precision="tf32", arch="sm_80")).kernel == "mma"

@@ -635,20 +635,23 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
     repacks, scratch = [], []
+    split = spec.kernel == "wgmma" and a.dtype == "float32" and precision == "exact"   # 3xTF32
     if spec.kernel == "wgmma":  # operands the tensor maps cannot read: a K-major copy in scratch first
         for role, dt, major, (rows, s_mn, s_k), align, s_b in (
                 ("a", a.dtype, a_major, (m, a_sm, a_sk), a.align, geo.a[2]),
                 ("b", b.dtype, b_major, (n, b_sn, b_sk), b.align, geo.b[2])):
-            if not _wgmma_direct(dt, major, s_mn, s_k, align, s_b):
+            if split or not _wgmma_direct(dt, major, s_mn, s_k, align, s_b):
                 launch, size = repack.plan_repack(dt, geo.batch, rows, k, (s_b, s_mn, s_k), f"scratch{len(scratch)}",
-                                                  role)
+                                                  role, split=role if split else "")
                 repacks.append(launch)
                 scratch.append(size)
-                pitch = repack.pitch(k, dt)
+                pitch = repack.pitch(3 * k if split else k, dt)
                 if role == "a":
                     a_sm, a_sk, geo = pitch, 1, geo._replace(a=(pitch, 1, rows * pitch if s_b else 0))
                 else:
                     b_sn, b_sk, geo = pitch, 1, geo._replace(b=(1, pitch, rows * pitch if s_b else 0))
+    if split:
+        geo = geo._replace(k=3 * k)
     plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, alpha, beta, params,
                   sms, split_k)
     if not repacks:
@@ -715,11 +718,15 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     tensor_cores = req.a_dtype != "float32" or precision == "tf32"
     a_direct = _wgmma_direct(req.a_dtype, a_major, a_sm, a_sk, a_align, geo.a[2])
     b_direct = _wgmma_direct(req.a_dtype, b_major, b_sn, b_sk, b_align, geo.b[2])
-    if tensor_cores and arch_n == 90 and ((a_direct and b_direct) or geo.m * geo.n * geo.k >= REPACK_MIN_WORK):
+    big = geo.m * geo.n * geo.k >= REPACK_MIN_WORK
+    if tensor_cores and arch_n == 90 and ((a_direct and b_direct) or big):
         # an operand no tensor map reads is repacked K-major first (kernels/repack.py)
         out.append(("wgmma", dict(a_major=a_major if a_direct else "k", b_major=b_major if b_direct else "k",
                                   precision="tf32" if width == 4 else "", vec=0,
                                   promote=req.a_dtype in FP8 and precision == "exact")))
+    if req.a_dtype == "float32" and precision == "exact" and arch_n == 90 and big:
+        # 3xTF32: both operands repacked as tf32 hi / lo planes, one tf32 GEMM over 3K
+        out.append(("wgmma", dict(a_major="k", b_major="k", precision="tf32", vec=0, promote=False)))
     if req.a_dtype in HALF or (req.a_dtype == "float32" and precision == "tf32"):
         if a_major != "any" and b_major != "any":
             a_lead, a_extent = (a_sm, geo.k) if a_major == "k" else (a_sk, geo.m)
