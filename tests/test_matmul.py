@@ -170,15 +170,21 @@ def test_fp8_sums_in_float32_unless_asked_for_fast_accumulation():
     assert info.value.arg == "promote"
 
 
-def test_split_k_for_skinny_shapes():
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_split_k_for_skinny_shapes(arch):
+    """Few output tiles over a long K: float32 partial sums of K chunks (the persistent wgmma
+    kernel walks tiles of every chunk; mma.sync a grid z of batch x chunks), then one launch
+    sums them and applies the epilogue."""
     plan = mm.plan_matmul(op("bfloat16", (64, 16384)), weight("bfloat16", 16384, 64), bias=op("bfloat16", (64,)),
-                          epilogue=[("gelu", "")], arch="sm_90")
+                          epilogue=[("gelu", "")], arch=arch)
     part, finish = plan.launches
-    assert part.spec.split and part.pointers == ("scratch0", "a", "b") and part.grid[2] > 1
+    assert part.spec.split and part.spec.kernel == ("wgmma" if arch == "sm_90" else "mma")
+    assert part.pointers == ("scratch0", "a", "b")
     assert isinstance(finish.spec, mm.MatmulReduceSpec) and finish.spec.epilogue == (("gelu", ""),)
-    assert plan.scratch == (part.grid[2] * 64 * 64 * 4,)
-    chunk = int(part.args[10])
-    assert chunk % part.spec.bk == 0 and (part.grid[2] - 1) * chunk < 16384 <= part.grid[2] * chunk
+    splits = int(finish.args[3])
+    assert splits > 1 and plan.scratch == (splits * 64 * 64 * 4,)
+    chunk = int(part.args[-5])   # then y's three strides and alpha
+    assert chunk % part.spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
     assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
                               arch="sm_80").launches) == 1
 

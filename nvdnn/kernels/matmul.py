@@ -223,8 +223,6 @@ class MatmulSpec(KernelSpec):
             raise ValidationError(f"bn: {self.bm // self.wm} x {self.bn} rows a warpgroup need {held} accumulator "
                                   f"registers a thread{' (promoting)' if self.promote else ''}, more than "
                                   f"{ACCUMULATORS[bool(self.promote)]}", arg="bn")
-        if self.split:
-            raise ValidationError("split: split-K runs on the mma and simt kernels", arg="split")
 
     def _validate_mma(self):
         if self.a_dtype in FP8:
@@ -697,17 +695,8 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                 except ValidationError:
                     break
     kernel, fields = options[0]
-    if kernel == "wgmma" and len(options) > 1 and options[1][0] == "mma" and (
-            (split_k or 0) > 1 or (split_k is None and _skinny(geo, sms))):
-        kernel, fields = options[1]  # few output tiles over a long K: split-K on the mma kernel
     return MatmulSpec(kernel=kernel, **base, **fields,
                       **_heuristic_tile(kernel, req, geo, fields.get("promote", False), sms))
-
-
-def _skinny(geo: Geometry, sms: int = DEFAULT_SMS) -> bool:
-    """The heuristic's wgmma tiles would fill less than half the GPU while K is long."""
-    bm, bn = _wgmma_tile(geo, sms)[:2]
-    return geo.k >= SPLIT_MIN_K and -(-geo.m // bm) * -(-geo.n // bn) * geo.batch * 2 <= sms
 
 
 def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
@@ -797,11 +786,17 @@ SPLIT_MIN_K = 2048
 TARGET_CTAS = 2 * DEFAULT_SMS
 
 
-def split_count(spec: MatmulSpec, geo: Geometry, split_k: int | None) -> int:
+def split_count(spec: MatmulSpec, geo: Geometry, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
     """K ranges for split-K: asked for, or when the output tiles fill less than half the GPU and
-    K is long (each range keeps at least 512 of K)."""
-    if spec.kernel == "wgmma":
-        return 1
+    K is long (each range keeps at least 512 of K; the persistent wgmma grid: enough ranges for
+    about one wave of tiles)."""
+    if spec.kernel == "wgmma" and spec.a_dtype in FP8:
+        return 1   # the partial sums carry no descale (the split launch takes no scales)
+    if spec.kernel == "wgmma" and split_k is None:
+        tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
+        if geo.k < SPLIT_MIN_K or tiles * 2 > sms:
+            return 1
+        return max(1, min(sms // tiles, geo.k // 512, 32))
     if split_k is not None:
         return max(1, min(int(split_k), -(-geo.k // spec.bk)))
     tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
@@ -824,7 +819,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     if len(out_strides) > 3 and batch > 1:  # folded batch dims of y: the innermost batch stride
         c_sb = [s for size, s in zip(geo.out_shape[:-2], out_strides[:-2]) if size > 1][-1]
     epi_roles = _epilogue_roles(spec)
-    splits = split_count(spec, geo, split_k)
+    splits = split_count(spec, geo, split_k, sms)
     launches = []
     if req.amax:
         launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), ()))
@@ -833,14 +828,20 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     epi_args = (_ints(c_sm, c_sn, c_sb) + (_ints(*r_strides) if req.residual else ())
                 + (np.float32(alpha),) + ((np.float32(beta),) if req.residual else ())
                 + tuple(np.float32(p) for p in params))
-    if splits > 1:
-        chunk = -(-(-(-k // splits)) // spec.bk) * spec.bk
+    if splits > 1:  # chunks of whole K steps (the wgmma kernel's are slice pairs when promoting)
+        step = spec.bk * (2 if spec.promote else 1)
+        chunk = -(-(-(-k // splits)) // step) * step
         splits = -(-k // chunk)
     if splits > 1:
         part = dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
                                    amax=False, scaled=False, split=True)
-        grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
-        part_args = geometry_args + (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
+        part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
+        if spec.kernel == "wgmma":
+            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits)
+            part_args = maps + geometry_args + bmul + part_args
+        else:
+            grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
+            part_args = geometry_args + part_args
         launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"), part_args))
         reduce = MatmulReduceSpec(out_dtype=req.out_dtype, bias=req.bias, bias_dtype=req.bias_dtype,
                                   residual=req.residual, epilogue=req.epilogue, amax=req.amax, scaled=req.scaled)
@@ -851,19 +852,27 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         return Plan(tuple(launches), scratch=(splits * batch * m * n * 4,))
     pointers = ("y", "a", "b") + epi_roles
     if spec.kernel == "wgmma":
-        maps = (_operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk,
-                             spec.bm),
-                _operand_map(2, spec.b_dtype, spec.b_major == "k", n, k, b_sn, b_sk, geo.b[2], batch, spec.bk,
-                             spec.bn // spec.cluster))
-        c = spec.cluster
-        tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * batch   # tile groups of c blocks
-        grid = (c * max(1, min(sms // c, tiles)), 1, 1)
-        args = maps + geometry_args + (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + epi_args
+        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch)
+        args = maps + geometry_args + bmul + epi_args
         launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
         return Plan(tuple(launches))
     grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch))
     launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, pointers, geometry_args + epi_args))
     return Plan(tuple(launches))
+
+
+def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int) -> tuple:
+    """The wgmma kernel's tensor maps, its persistent grid over ``planes`` (batch, or batch x
+    splits) of tiles, and the batch multipliers of its A and B coordinates (0: broadcast)."""
+    (a_sm, a_sk), (b_sk, b_sn) = a_str, b_str
+    m, n, k, batch = geo.m, geo.n, geo.k, geo.batch
+    maps = (_operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm),
+            _operand_map(2, spec.b_dtype, spec.b_major == "k", n, k, b_sn, b_sk, geo.b[2], batch, spec.bk,
+                         spec.bn // spec.cluster))
+    c = spec.cluster
+    tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * planes   # tile groups of c blocks
+    grid = (c * max(1, min(sms // c, tiles)), 1, 1)
+    return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0))
 
 
 def _operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:
