@@ -361,8 +361,12 @@ def _unrecordable(target: str, why: str) -> ValidationError:
 def check_record_file() -> None:
     """Before a run that compiles: NVDNN_RECORD, if set, names a file that can be appended to."""
     target = config.get("NVDNN_RECORD")
-    if target and not os.access(target if os.path.exists(target) else os.path.dirname(target) or ".", os.W_OK):
-        raise _unrecordable(target, "its folder is missing or read-only")
+    if not target:
+        return
+    appendable = (os.access(target, os.W_OK) and os.path.isfile(target) if os.path.exists(target)
+                  else os.access(os.path.dirname(target) or ".", os.W_OK))
+    if not appendable:
+        raise _unrecordable(target, "not a writable file in a writable folder")
 
 
 def _record(spec: KernelSpec, arch: str) -> None:
