@@ -229,6 +229,8 @@ TRANSFORMER_LAYERS = (
     layer("mlp.down", "matmul", {"a": io("tokens", "ffn"), "b": linear_weight("ffn", "hidden"), "bias": io("hidden")}),
     layer("bias+gelu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("gelu",)),
     layer("bias+silu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("silu",)),
+    layer("mlp.gate, mlp.up (gated MLP)", "matmul", {"a": io("tokens", "hidden"), "b": linear_weight("hidden", "ffn")},
+          count=2),
     layer("silu*up", "silu", {"gate": io("tokens", "ffn"), "up": io("tokens", "ffn")}, then=(("mul", "up"),)),
     layer("bias", "add", {"x": io("tokens", "hidden"), "bias": io(1, "hidden")}, count=2),
 )
@@ -249,7 +251,8 @@ def _transformer_variants(p: dict) -> list[dict]:
 TRANSFORMER = Model(
     "transformer", "one decoder layer: layer / RMS norm (+residual, training forward, backward), softmax "
     "(+causal, backward), bias + GELU / SiLU, SiLU * up, the projections as nn.Linear layers (x @ w.T + b; "
-    "the MLP's up projection with GELU); attention is declared and skipped until its family exists",
+    "the MLP's up projection with GELU; a gated MLP's gate and up without bias); attention is declared and "
+    "skipped until its family exists",
     (Param("hidden", "int", "4096", "hidden size"),
      Param("heads", "int", "32", "attention heads"),
      Param("head_dim", "int", "128", "size of one head"),

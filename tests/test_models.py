@@ -138,16 +138,17 @@ def run_decoder_layer(p: dict, dtype: str) -> int:
     nvdnn.elementwise([("silu", ""), ("mul", "x1")], h, h)   # SwiGLU: silu(gate) * up
     nvdnn.bias_act(x, w, layout="NHWC")                       # a projection's bias
 
-    def linear(a, n_out, activation=None):  # the README's way: nn.Linear's (N, K) weight, x @ w.T + b
-        weight, bias = Fake((n_out, a.shape[-1]), dtype), Fake((n_out,), dtype)
-        return nvdnn.matmul(a, weight.T, bias, activation=activation)
+    def linear(a, n_out, activation=None, bias=True):  # the README's way: nn.Linear's (N, K) weight, x @ w.T + b
+        weight = Fake((n_out, a.shape[-1]), dtype)
+        return nvdnn.matmul(a, weight.T, Fake((n_out,), dtype) if bias else None, activation=activation)
 
     qkv = (p["heads"] + 2 * (p["kv_heads"] or p["heads"])) * p["head_dim"]
     linear(x, qkv)
     linear(Fake((tokens, p["heads"] * p["head_dim"]), dtype), p["hidden"])
     linear(x, ffn, "gelu")
     linear(h, p["hidden"])
-    return 20
+    linear(x, ffn, bias=False), linear(x, ffn, bias=False)  # a gated MLP's gate and up (no bias)
+    return 22
 
 
 def _missing(name: str) -> set:
