@@ -1,6 +1,7 @@
 """The command line, run as `python -m nvdnn` in a subprocess with NVDNN_CACHE_DIR set."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -304,7 +305,6 @@ def test_every_option_and_argument_has_help():
                     yield from walk(sub, f"{path} {name}")
             elif action.dest != "help":
                 yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
-    import argparse
     undocumented = [name for name, text in walk(cli.parser(), "nvdnn") if not text]
     assert undocumented == []
 
