@@ -107,7 +107,8 @@ def _cmd_warm(args) -> int:
     archs = sorted({arch for _, arch in jobs})
     cache = KernelCache()
     if args.dry_run:
-        rows = [{"uri": s.uri, "arch": s.target_arch(a), "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
+        rows = [{"uri": s.uri, "arch": s.target_arch(a), "cached": cache.contains(s, a)}  # the arch it is kept for
+                for s, a in dict.fromkeys(jobs)]
         _emit(rows, args.json, lambda r: f"{'cached ' if r['cached'] else 'compile'} {r['arch']:7} {r['uri']}")
         if notes:  # model presets: what was planned and skipped (stderr beside a JSON list)
             print("\n".join(notes), file=sys.stderr if args.json else sys.stdout)
@@ -143,9 +144,9 @@ def _cmd_cache(args) -> int:
         if not args.file:
             print(f"nvdnn cache {args.action}: give the bundle FILE", file=sys.stderr)
             return 2
-        if args.action == "export" and not Path(args.file).absolute().parent.is_dir():
-            raise ValidationError(f"cache export: {args.file}: folder {Path(args.file).absolute().parent} does "
-                                  "not exist", arg="file")
+        folder = Path(args.file).absolute().parent
+        if args.action == "export" and not folder.is_dir():
+            raise ValidationError(f"cache export: {args.file}: folder {folder} does not exist", arg="file")
         result = cache.export_bundle(args.file) if args.action == "export" else cache.import_bundle(args.file)
         print(json.dumps(result) if args.json else ", ".join(f"{k} {v}" for k, v in result.items()))
         return 0
@@ -186,8 +187,8 @@ def _cmd_cache(args) -> int:
 
 def _data_types(fields: dict) -> set[str]:
     """The data types a cached kernel's spec names, in any family's fields (not its index type)."""
-    values = [v for name, v in fields.items() if name != "index"]
-    return {x for v in values for x in (v if isinstance(v, list) else [v]) if isinstance(x, str) and x in dtypes.BY_NAME}
+    values = [x for name, v in fields.items() if name != "index" for x in (v if isinstance(v, list) else [v])]
+    return {x for x in values if isinstance(x, str) and x in dtypes.BY_NAME}
 
 
 def _loads(device_arch: str, built_for: str) -> bool:
