@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import codegen, compiler, config
-from .errors import CacheError, CacheMissError, CompileError, NvdnnWarning
+from .errors import CacheError, CacheMissError, CompileError, NvdnnWarning, ValidationError
 from .spec import KernelSpec
 
 SCHEMA = 1
@@ -148,8 +148,10 @@ class KernelCache:
             return found
         if config.get("NVDNN_NO_COMPILE"):
             raise CacheMissError(f"NVDNN_NO_COMPILE is set and {spec.uri} for {arch} is not in the "
-                                 f"cache at {self.folder} (key {key[:16]}); pre-warm it with "
-                                 f"`nvdnn warm --arch {arch}`")
+                                 f"cache at {self.folder} (key {key[:16]}); to pre-warm, run the program "
+                                 "once where it may compile with `NVDNN_RECORD=specs.jsonl` set, then "
+                                 "`nvdnn warm --spec-file specs.jsonl` into this folder (--arch to build "
+                                 "for another GPU)")
         started = time.perf_counter()
         try:
             result = compiler.compile_cubin(source, name=f"{spec.family}.cu", options=options,
@@ -352,13 +354,31 @@ def _dump_source(source: str, spec: KernelSpec, key: str, fallback: bool = False
     return str(path)
 
 
+def _unrecordable(target: str, why: str) -> ValidationError:
+    return ValidationError(f"NVDNN_RECORD={target}: cannot append to it: {why}", arg="NVDNN_RECORD")
+
+
+def check_record_file() -> None:
+    """Before a run that compiles: NVDNN_RECORD, if set, names a file that can be appended to."""
+    target = config.get("NVDNN_RECORD")
+    if not target:
+        return
+    appendable = (os.access(target, os.W_OK) and os.path.isfile(target) if os.path.exists(target)
+                  else os.access(os.path.dirname(target) or ".", os.W_OK))
+    if not appendable:
+        raise _unrecordable(target, "not a writable file in a writable folder")
+
+
 def _record(spec: KernelSpec, arch: str) -> None:
     target = config.get("NVDNN_RECORD")
     if not target:
         return
     line = json.dumps({"arch": arch, "spec": spec.to_dict()}, sort_keys=True) + "\n"
-    with open(target, "a", encoding="utf-8") as out:
-        out.write(line)
+    try:
+        with open(target, "a", encoding="utf-8") as out:
+            out.write(line)
+    except OSError as exc:
+        raise _unrecordable(target, exc.strerror) from None
 
 
 _CACHES: dict[Path, KernelCache] = {}

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
+from pathlib import Path
 
-from . import compiler
+from . import __version__, compiler, dtypes
 from . import models
 from . import warm as warming
-from .cache import KernelCache
-from .errors import NvdnnError
+from .cache import KernelCache, check_record_file
+from .errors import NvdnnError, ValidationError
+from .spec import FAMILIES
 
 EXAMPLES = {
     "warm": """examples:
@@ -84,6 +88,7 @@ def _model_plans(args, archs) -> list:
 
 
 def _cmd_warm(args) -> int:
+    check_record_file()
     recorded = [row for path in args.spec_file or [] for row in warming.read_spec_file(path)]
     if not args.preset and not recorded:
         print("nothing to warm: give --preset or --spec-file", file=sys.stderr)
@@ -102,13 +107,14 @@ def _cmd_warm(args) -> int:
     archs = sorted({arch for _, arch in jobs})
     cache = KernelCache()
     if args.dry_run:
-        rows = [{"uri": s.uri, "arch": a, "cached": cache.contains(s, a)} for s, a in dict.fromkeys(jobs)]
+        rows = [{"uri": s.uri, "arch": s.target_arch(a), "cached": cache.contains(s, a)}  # the arch it is kept for
+                for s, a in dict.fromkeys(jobs)]
         _emit(rows, args.json, lambda r: f"{'cached ' if r['cached'] else 'compile'} {r['arch']:7} {r['uri']}")
         if notes:  # model presets: what was planned and skipped (stderr beside a JSON list)
             print("\n".join(notes), file=sys.stderr if args.json else sys.stdout)
         return 1 if plan_failed else 0
     progress = None if args.json else _Progress(sys.stderr)
-    report = warming.warm(jobs, cache, workers=args.jobs, progress=progress)
+    report = warming.warm(jobs, cache, workers=args.jobs or 0, progress=progress)
     summary = report.as_dict() | {"folder": str(cache.folder), "archs": archs}
     if plans:
         summary["models"] = [plan.as_dict() for plan in plans]
@@ -138,6 +144,9 @@ def _cmd_cache(args) -> int:
         if not args.file:
             print(f"nvdnn cache {args.action}: give the bundle FILE", file=sys.stderr)
             return 2
+        folder = Path(args.file).absolute().parent
+        if args.action == "export" and not folder.is_dir():
+            raise ValidationError(f"cache export: {args.file}: folder {folder} does not exist", arg="file")
         result = cache.export_bundle(args.file) if args.action == "export" else cache.import_bundle(args.file)
         print(json.dumps(result) if args.json else ", ".join(f"{k} {v}" for k, v in result.items()))
         return 0
@@ -146,6 +155,8 @@ def _cmd_cache(args) -> int:
         print(json.dumps({"removed": removed}) if args.json else f"removed {removed} files from {cache.folder}")
         return 0
     rows, bad = [], []
+    dtype = dtypes.dtype(args.dtype, arg="dtype").name if args.dtype else None
+    arch = compiler.parse_arch(args.arch) if args.arch else None
     for path, entry, problem in cache.entries():
         if entry is None:
             bad.append({"file": path.name, "problem": problem})
@@ -154,9 +165,8 @@ def _cmd_cache(args) -> int:
         row = {"key": entry.key[:16], "uri": entry.uri, "arch": entry.arch,
                "family": entry.meta.get("family", ""), "registers": entry.meta.get("registers"),
                "spill_bytes": entry.meta.get("spill_bytes"), "bytes": len(entry.cubin)}
-        dts = set(fields.get("inputs", ())) | {fields.get("output")}
-        if ((args.family and row["family"] != args.family) or (args.arch and entry.arch != args.arch)
-                or (args.dtype and args.dtype not in dts)):
+        if ((args.family and row["family"] != args.family) or (arch and not _loads(arch, entry.arch))
+                or (dtype and dtype not in _data_types(fields))):
             continue
         rows.append(row)
     if args.action == "verify":
@@ -175,9 +185,25 @@ def _cmd_cache(args) -> int:
     return 0
 
 
+def _data_types(fields: dict) -> set[str]:
+    """The data types a cached kernel's spec names, in any family's fields (not its index type)."""
+    values = [x for name, v in fields.items() if name != "index" for x in (v if isinstance(v, list) else [v])]
+    return {x for x in values if isinstance(x, str) and x in dtypes.BY_NAME}
+
+
+def _loads(device_arch: str, built_for: str) -> bool:
+    """Whether a device of ``device_arch`` loads a kernel built for ``built_for``: sm_90 names a
+    Hopper device, which loads sm_90 and sm_90a builds; sm_90a names only the arch-specific ones."""
+    suffix = built_for[len(device_arch):] if built_for.startswith(device_arch) else None
+    return suffix == "" or (suffix in ("a", "f") and device_arch[-1].isdigit())
+
+
 def _cmd_plan(args) -> int:
     from . import plan
-    blob = open(args.blob, "rb").read()
+    try:
+        blob = Path(args.blob).read_bytes()
+    except OSError as exc:
+        raise ValidationError(f"{args.blob}: cannot read the plan blob: {exc.strerror}", arg="blob") from None
     header, images = plan.read_header(blob)  # framing, checksum and every kernel image
     if args.action == "verify":
         plan.deserialize(blob)  # every field, the graph rebuilt: nothing compiles, nothing loads
@@ -200,6 +226,7 @@ def _cmd_plan(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="nvdnn", description="nvdnn: NVRTC-compiled deep-learning kernels")
+    top.add_argument("--version", action="version", version=f"nvdnn {__version__}", help="print the version")
     sub = top.add_subparsers(dest="command", required=True)
     w = sub.add_parser("warm", help="compile kernels into the cache ahead of time (no GPU needed)",
                        epilog=EXAMPLES["warm"], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,34 +240,78 @@ def parser() -> argparse.ArgumentParser:
                    help="model presets: also every autotune candidate, not only the heuristic's kernels")
     w.add_argument("--spec-file", "--from-record", action="append", dest="spec_file",
                    help="JSON / JSON-lines specs, e.g. an NVDNN_RECORD file (repeatable)")
-    w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compile processes (default: cores)")
+    w.add_argument("-j", "--jobs", type=_count, default=None, help="parallel compile processes, at least 1 "
+                   "(default: one per core)")
     w.add_argument("--dry-run", action="store_true", help="list what would be compiled, compile nothing")
     w.add_argument("--json", action="store_true", help="machine-readable summary")
     w.set_defaults(run=_cmd_warm)
     c = sub.add_parser("cache", help="inspect or clear the kernel cache", epilog=EXAMPLES["cache"],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("action", choices=("info", "list", "verify", "clear", "export", "import"))
+    c.add_argument("action", choices=("info", "list", "verify", "clear", "export", "import"),
+                   help="info: folder, entries, size; list: the kernels; verify: check every entry; clear: "
+                   "remove them; export / import: one bundle file")
     c.add_argument("file", nargs="?", help="bundle file, for export and import")
-    c.add_argument("--family"), c.add_argument("--arch"), c.add_argument("--dtype")
+    c.add_argument("--family", choices=sorted(FAMILIES), metavar="FAMILY",
+                   help=f"list / verify: only this kernel family ({', '.join(sorted(FAMILIES))})")
+    c.add_argument("--arch", help="list / verify: only the kernels a device of this arch loads (sm_90: its "
+                   "sm_90 and sm_90a builds)")
+    c.add_argument("--dtype", help="list / verify: only kernels that read or write this data type (bf16 or "
+                   "bfloat16, fp16, fp32, e4m3, ...)")
     c.add_argument("--repair", action="store_true", help="with verify: remove bad entries")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(run=_cmd_cache)
     pl = sub.add_parser("plan", help="inspect or verify a plan blob (Graph.serialize)", epilog=EXAMPLES["plan"],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    pl.add_argument("action", choices=("inspect", "verify"))
-    pl.add_argument("blob")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("action", choices=("inspect", "verify"),
+                    help="inspect: header and kernels; verify: every check deserialize makes")
+    pl.add_argument("blob", help="a plan blob file (Graph.serialize)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(run=_cmd_plan)
     return top
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of at least 1")
+    return value
+
+
+def _closed_pipe() -> int:
+    """The reader went away (`| head`): end quietly, as a process SIGPIPE ends would, and keep
+    Python's exit flush from failing again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13
+
+
 def main(argv=None) -> int:
+    """Run one command; every failure is one line on stderr and a non-zero exit, never a traceback
+    (NVDNN_LOG_LEVEL=debug logs the traceback of an unexpected one)."""
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except NvdnnError as exc:
         print(f"nvdnn: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"nvdnn: {exc.filename}: {exc.strerror}" if exc.filename else f"nvdnn: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("nvdnn: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback in the debug log
+        logging.getLogger("nvdnn.cli").debug("unexpected error", exc_info=True)
+        print(f"nvdnn: unexpected {type(exc).__name__}: {exc} (a bug: please report it with the output of "
+              "NVDNN_LOG_LEVEL=debug)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

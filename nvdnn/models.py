@@ -7,9 +7,10 @@ without a GPU, taken through validate .. check_support, and the kernels its heur
 launches collected (with ``candidates=True``, every autotune candidate's too). A program that
 later runs those layers on that arch finds each kernel in the cache.
 
-Layers whose op has no kernel family yet (convolution, attention, and matmul until its anchor
-op is registered) are checked at run time against the anchor op table and reported as skipped,
-one line per op, never dropped silently.
+Linear layers are declared as a program writes them (nn.Linear's packed (N, K) weight, used
+as ``x @ w.T``), so the warmed GEMM is the one the program asks for. Layers whose op has no
+kernel family yet (convolution, attention) are checked at run time against the anchor op table
+and reported as skipped, one line per op, never dropped silently.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from . import compiler, dtypes
+from . import compiler
 from .errors import NvdnnError, ValidationError
+from .model_params import Param
 from .spec import KernelSpec
 
 
@@ -27,8 +29,9 @@ from .spec import KernelSpec
 @dataclass(frozen=True)
 class T:
     """A layer's tensor: dims (NCHW order for images) as ints or names of model values; its data
-    type ("io": the model's) and layout: "packed", "NHWC", "io" (the model's image layout) or
-    "memory" (the packed array in the model's memory order: (N, H, W, C) for NHWC)."""
+    type ("io": the model's) and layout: "packed", "NHWC", "io" (the model's image layout),
+    "memory" (the packed array in the model's memory order: (N, H, W, C) for NHWC) or
+    "transposed" (the transpose of a packed array: a linear layer's ``w.T``)."""
     dims: tuple
     dtype: str = "io"
     layout: str = "packed"
@@ -47,6 +50,12 @@ def f32(*dims) -> T:
 def io(*dims) -> T:
     """A packed tensor in the model's type."""
     return T(dims)
+
+
+def linear_weight(k, n) -> T:
+    """A linear layer's weight as a program passes it to matmul: nn.Linear keeps it packed as
+    (N, K) and multiplies by its transpose (``x @ w.T``), a (K, N) operand with unit stride along K."""
+    return T((k, n), "io", "transposed")
 
 
 @dataclass(frozen=True)
@@ -68,74 +77,6 @@ class Layer:
 def layer(name, op, inputs: dict, attrs: dict | None = None, then=(), count=1, only: dict | None = None) -> Layer:
     return Layer(name, op, tuple(inputs.items()), tuple((attrs or {}).items()), tuple(then), count,
                  tuple((only or {}).items()))
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    kind: str            # "int" (>= 1), "int0" (>= 0), "ints", "dtypes", "bool", "choice:a,b", "choices:a,b"
-    default: str
-    help: str
-
-    def parse(self, text: str, model: str):
-        """The value of ``--param name=text``; a ValidationError naming the parameter if bad."""
-        where = f"--param {self.name}={text}"
-        kind, _, allowed = self.kind.partition(":")
-        items = [t.strip() for t in str(text).split(",")]
-        if kind in ("ints", "dtypes", "choices") and (not items or "" in items):
-            raise ValidationError(f"{where}: bad value for {model}'s '{self.name}': an empty item", arg=self.name)
-        try:
-            if kind in ("int", "int0"):
-                value = int(text)
-                if value < (1 if kind == "int" else 0):
-                    raise ValueError
-                return value
-            if kind == "ints":
-                values = tuple(dict.fromkeys(int(t) for t in items))
-                if min(values) < 1:
-                    raise ValueError
-                return values
-            if kind == "bool":
-                lowered = str(text).strip().lower()
-                if lowered in ("1", "true", "yes", "on"):
-                    return True
-                if lowered in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError
-            if kind == "dtypes":
-                return tuple(dict.fromkeys(_float_dtype(t, where, self.name) for t in items))
-            choices = allowed.split(",")
-            picked = tuple(dict.fromkeys(t for t in (items if kind == "choices" else [str(text).strip()])))
-            if any(p not in choices for p in picked):
-                raise ValueError
-            return picked if kind == "choices" else picked[0]
-        except ValidationError:
-            raise
-        except ValueError:
-            raise ValidationError(f"{where}: bad value for {model}'s '{self.name}': expected {_expects(self)}",
-                                  arg=self.name) from None
-
-
-def _expects(param: Param) -> str:
-    kind, _, allowed = param.kind.partition(":")
-    return {"int": "a positive integer", "int0": "a non-negative integer",
-            "ints": "positive integers separated by commas",
-            "bool": "1/0, true/false, yes/no or on/off", "choice": f"one of {allowed.replace(',', ', ')}",
-            "choices": f"one or more of {allowed.replace(',', ', ')}, separated by commas"}[kind]
-
-
-_FLOATS = ("float32", "float16", "bfloat16")
-
-
-def _float_dtype(text: str, where: str, name: str) -> str:
-    try:
-        found = dtypes.dtype(text, arg=name).name
-    except ValidationError:
-        found = None
-    if found not in _FLOATS:
-        raise ValidationError(f"{where}: bad value for '{name}': {text!r} is not float32, float16 or bfloat16 "
-                              "(or fp32, fp16, bf16)", arg=name)
-    return found
 
 
 @dataclass(frozen=True)
@@ -208,7 +149,7 @@ RESNET50_BLOCK = (
 
 RESNET50_HEAD = (
     layer("avgpool", "global_avg_pool2d", {"x": act("n", 2048, 7, 7)}),
-    layer("fc", "matmul", {"a": io("n", 2048), "b": io(2048, 1000), "bias": io(1000)}),
+    layer("fc", "matmul", {"a": io("n", 2048), "b": linear_weight(2048, 1000), "bias": io(1000)}),
 )
 
 
@@ -241,8 +182,8 @@ def _resnet50_variants(p: dict) -> list[dict]:
 
 
 RESNET50 = Model(
-    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool; "
-    "the convolutions and the fc matmul are declared and skipped until their families exist",
+    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool, "
+    "the fc layer (x @ w.T + b); the convolutions are declared and skipped until their family exists",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
      Param("layout", "choices:auto,NHWC,NCHW", "auto",
@@ -274,7 +215,7 @@ _SCORES = io("batch", "heads", "seq", "seq")
 
 TRANSFORMER_LAYERS = (
     *_norm_rows("layer"), *_norm_rows("rms"),
-    layer("qkv", "matmul", {"a": io("tokens", "hidden"), "b": io("hidden", "qkv"), "bias": io("qkv")}),
+    layer("qkv", "matmul", {"a": io("tokens", "hidden"), "b": linear_weight("hidden", "qkv"), "bias": io("qkv")}),
     layer("attention", "attention", {"q": io("batch", "heads", "seq", "head_dim"),
                                      "k": io("batch", "kv_heads", "seq", "head_dim"),
                                      "v": io("batch", "kv_heads", "seq", "head_dim")}, {"causal": True}),
@@ -282,12 +223,14 @@ TRANSFORMER_LAYERS = (
     layer("softmax causal", "softmax", {"x": _SCORES}, {"axis": -1, "causal": True}),
     layer("softmax backward", "softmax_backward", {"dy": _SCORES, "y": _SCORES}, {"axis": -1},
           only={"training": True}),
-    layer("out", "matmul", {"a": io("tokens", "attn"), "b": io("attn", "hidden"), "bias": io("hidden")}),
-    layer("mlp.up", "matmul", {"a": io("tokens", "hidden"), "b": io("hidden", "ffn"), "bias": io("ffn")},
+    layer("out", "matmul", {"a": io("tokens", "attn"), "b": linear_weight("attn", "hidden"), "bias": io("hidden")}),
+    layer("mlp.up", "matmul", {"a": io("tokens", "hidden"), "b": linear_weight("hidden", "ffn"), "bias": io("ffn")},
           then=("gelu",)),
-    layer("mlp.down", "matmul", {"a": io("tokens", "ffn"), "b": io("ffn", "hidden"), "bias": io("hidden")}),
+    layer("mlp.down", "matmul", {"a": io("tokens", "ffn"), "b": linear_weight("ffn", "hidden"), "bias": io("hidden")}),
     layer("bias+gelu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("gelu",)),
     layer("bias+silu", "add", {"x": io("tokens", "ffn"), "bias": io(1, "ffn")}, then=("silu",)),
+    layer("mlp.gate, mlp.up (gated MLP)", "matmul", {"a": io("tokens", "hidden"), "b": linear_weight("hidden", "ffn")},
+          count=2),
     layer("silu*up", "silu", {"gate": io("tokens", "ffn"), "up": io("tokens", "ffn")}, then=(("mul", "up"),)),
     layer("bias", "add", {"x": io("tokens", "hidden"), "bias": io(1, "hidden")}, count=2),
 )
@@ -307,8 +250,9 @@ def _transformer_variants(p: dict) -> list[dict]:
 
 TRANSFORMER = Model(
     "transformer", "one decoder layer: layer / RMS norm (+residual, training forward, backward), softmax "
-    "(+causal, backward), bias + GELU / SiLU, SiLU * up; projections (matmul + bias) and attention skipped "
-    "until their families exist",
+    "(+causal, backward), bias + GELU / SiLU, SiLU * up, the projections as nn.Linear layers (x @ w.T + b; "
+    "the MLP's up projection with GELU; a gated MLP's gate and up without bias); attention is declared and "
+    "skipped until its family exists",
     (Param("hidden", "int", "4096", "hidden size"),
      Param("heads", "int", "32", "attention heads"),
      Param("head_dim", "int", "128", "size of one head"),
@@ -392,7 +336,8 @@ def resolve(row: Layer, values: dict) -> tuple:
         layout = values.get("layout", "packed") if t.layout in ("io", "memory") else t.layout
         if t.layout == "memory" and layout == "NHWC":
             dims, layout = (dims[0], *dims[2:], dims[1]), "packed"
-        strides = nhwc_strides(list(dims)) if layout == "NHWC" else contiguous_strides(dims)
+        strides = (nhwc_strides(list(dims)) if layout == "NHWC" else
+                   contiguous_strides(dims[::-1])[::-1] if layout == "transposed" else contiguous_strides(dims))
         out.append((role, dims, tuple(strides), values["dtype"] if t.dtype == "io" else t.dtype))
     return tuple(out)
 

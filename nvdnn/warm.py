@@ -51,12 +51,31 @@ def preset_specs(names: Iterable[str]) -> list[KernelSpec]:
     return specs
 
 
+def _json_rows(path, text: str) -> list:
+    """A JSON list, or one JSON value a line; a ValidationError naming the file and line if not."""
+    listed = text.lstrip().startswith("[")
+    chunks = [(1, text)] if listed else [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    rows = []
+    for first, chunk in chunks:
+        try:
+            value = json.loads(chunk)
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"{path}: line {first + exc.lineno - 1}: not JSON ({exc.msg})",
+                                  arg="spec_file") from None
+        except RecursionError:
+            raise ValidationError(f"{path}: line {first}: nested too deeply", arg="spec_file") from None
+        rows.extend(value if listed and isinstance(value, list) else [value])
+    return rows
+
+
 def read_spec_file(path: str | os.PathLike) -> list[tuple[KernelSpec, str | None]]:
     """Specs from a JSON-lines recording (NVDNN_RECORD) or a JSON list; each with its arch if given."""
-    text = Path(path).read_text()
-    stripped = text.lstrip()
-    rows = json.loads(text) if stripped.startswith("[") else [
-        json.loads(line) for line in text.splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"{path}: cannot read the spec file: {getattr(exc, 'strerror', None) or exc}",
+                              arg="spec_file") from None
+    rows = _json_rows(path, text)
     out = []
     for number, row in enumerate(rows, 1):
         try:
@@ -72,6 +91,11 @@ def _unsupported(spec: KernelSpec, arch: str) -> str | None:
     import sys
     check = getattr(sys.modules.get(type(spec).__module__), "unsupported_reason", None)
     return check(spec, arch) if check is not None else None
+
+
+def _label(spec: KernelSpec, arch: str) -> str:
+    """A kernel as reports name it, with the arch the cache stores it for (wgmma: sm_90a)."""
+    return f"{spec.uri} [{spec.target_arch(arch)}]"
 
 
 def _compile_one(folder: str, spec_json: str, arch: str) -> tuple[str, str]:
@@ -91,7 +115,7 @@ def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int
     report = WarmReport()
     todo = []
     for spec, arch in dict.fromkeys(jobs):
-        label = f"{spec.uri} [{arch}]"
+        label = _label(spec, arch)
         reason = _unsupported(spec, arch)
         if reason:  # a preset spans archs (wgmma on Hopper only): not an error
             report.skipped.append((label, reason))
@@ -110,11 +134,11 @@ def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int
     if workers == 1 or len(todo) <= 1:
         for spec, arch in todo:
             error, _ = _compile_one(str(cache.folder), json.dumps(spec.to_dict()), arch)
-            finish(error, f"{spec.uri} [{arch}]")
+            finish(error, _label(spec, arch))
     else:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("fork")) as pool:
             futures = {pool.submit(_compile_one, str(cache.folder), json.dumps(spec.to_dict()), arch):
-                       f"{spec.uri} [{arch}]" for spec, arch in todo}
+                       _label(spec, arch) for spec, arch in todo}
             for future in as_completed(futures):
                 try:
                     error, _ = future.result()

@@ -1,15 +1,20 @@
 """The command line, run as `python -m nvdnn` in a subprocess with NVDNN_CACHE_DIR set."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+import nvdnn as package
+from nvdnn import cli, models, warm
 from nvdnn.cache import KernelCache
-from nvdnn.kernels import pointwise
+from nvdnn.errors import CacheMissError
+from nvdnn.kernels import matmul, pointwise
 
 
 def nvdnn(cache_dir, *args, env=None, timeout=300) -> subprocess.CompletedProcess:
@@ -142,7 +147,7 @@ def test_cache_list_filters(cache_dir, populated, three_specs):
     assert all(r["arch"] == "sm_90" and r["family"] == "pointwise" and r["spill_bytes"] == 0
                and r["registers"] > 0 and r["bytes"] > 0 for r in rows)
 
-    assert _json(nvdnn(cache_dir, "cache", "list", "--family", "conv2d", "--json")) == []
+    assert _json(nvdnn(cache_dir, "cache", "list", "--family", "pool", "--json")) == []
     rows = _json(nvdnn(cache_dir, "cache", "list", "--dtype", "float16", "--arch", "sm_90", "--json"))
     assert [r["uri"] for r in rows] == [three_specs[2].uri]
 
@@ -231,3 +236,146 @@ def test_plan_inspect_and_verify(cache_dir, tmp_path):
     blob.write_bytes(bytes(data))
     broken = nvdnn(cache_dir, "plan", "verify", str(blob))
     assert broken.returncode == 2 and "checksum" in broken.stderr
+
+
+# -- no traceback, ever ------------------------------------------------------------------------------
+
+def _one_line_error(result: subprocess.CompletedProcess, *names: str) -> None:
+    """A bad argument, file or setting: one line on stderr naming it, exit 2; never a traceback."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert all(name in result.stderr for name in names), result.stderr
+
+
+def test_missing_or_unreadable_files_are_one_line(cache_dir, tmp_path, three_specs):
+    missing = tmp_path / "missing"
+    _one_line_error(nvdnn(cache_dir, "plan", "inspect", str(missing)), str(missing))
+    _one_line_error(nvdnn(cache_dir, "plan", "verify", str(missing)), str(missing))
+    _one_line_error(nvdnn(cache_dir, "warm", "--arch", "sm_90", "--spec-file", str(missing)), str(missing))
+    not_json = tmp_path / "specs.jsonl"
+    not_json.write_text("{not json\n")
+    _one_line_error(nvdnn(cache_dir, "warm", "--arch", "sm_90", "--spec-file", str(not_json)), str(not_json),
+                    "line 1")
+    bundle = tmp_path / "no-such-folder" / "kernels.tar"
+    _one_line_error(nvdnn(cache_dir, "cache", "export", str(bundle)), str(bundle.parent))
+    assert not bundle.parent.exists()
+    record = tmp_path / "no-such-folder" / "specs.jsonl"
+    spec_file = _write_spec_file(tmp_path / "one.jsonl", three_specs[:1])
+    for jobs in ("1", "2"):
+        result = nvdnn(cache_dir, "warm", "--spec-file", str(spec_file), "-j", jobs, env={"NVDNN_RECORD": str(record)})
+        _one_line_error(result, "NVDNN_RECORD", str(record))
+
+
+def test_a_miss_with_a_record_file_in_a_missing_folder_is_a_named_error(cache_dir, tmp_path, spec, monkeypatch):
+    """In a program: the recording's folder is named, not a raw FileNotFoundError."""
+    from nvdnn.errors import ValidationError
+    monkeypatch.setenv("NVDNN_RECORD", str(tmp_path / "no-such-folder" / "specs.jsonl"))
+    with pytest.raises(ValidationError, match="NVDNN_RECORD") as info:
+        KernelCache(cache_dir).get(spec, "sm_90")
+    assert info.value.arg == "NVDNN_RECORD"
+
+
+def test_a_closed_pipe_ends_quietly(cache_dir, populated):
+    for args in (["cache", "list", "--json"], ["warm", "--arch", "sm_90", "--preset", "pointwise", "--dry-run"]):
+        environ = dict(os.environ, NVDNN_CACHE_DIR=str(cache_dir))
+        proc = subprocess.Popen([sys.executable, "-m", "nvdnn", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=environ)
+        proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) != 0 and stderr == "", stderr
+
+
+def test_version(cache_dir):
+    result = nvdnn(cache_dir, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"nvdnn {package.__version__}"
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2", "many"])
+def test_jobs_must_be_a_positive_count(cache_dir, jobs):
+    result = nvdnn(cache_dir, "warm", "--arch", "sm_90", "--preset", "pointwise", "-j", jobs)
+    assert result.returncode == 2 and "-j/--jobs" in result.stderr and "Traceback" not in result.stderr
+    assert not (cache_dir / "kernels").exists()
+
+
+def test_every_option_and_argument_has_help():
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{path} {name}")
+            elif action.dest != "help":
+                yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
+    undocumented = [name for name, text in walk(cli.parser(), "nvdnn") if not text]
+    assert undocumented == []
+
+
+def test_help_no_longer_says_linear_layers_are_skipped(cache_dir):
+    text = nvdnn(cache_dir, "warm", "--help").stdout
+    sentences = re.split(r"[;.]\s", " ".join(text.split()))
+    assert not [s for s in sentences if "skipped" in s and re.search(r"matmul|projection|\bfc\b", s)]
+    assert all(models.missing_family(row.op) is None for m in models.MODELS.values() for row in m.layers
+               if row.op == "matmul")
+
+
+# -- one spelling of each data type and arch --------------------------------------------------------
+
+def _one_bf16_spec_per_family() -> dict:
+    picked = {}
+    for name in warm.PRESETS:
+        for spec in warm.PRESETS[name]():
+            if spec.family not in picked and "bfloat16" in json.dumps(spec.to_dict()):
+                picked[spec.family] = spec
+    return picked
+
+
+def test_cache_list_dtype_takes_any_spelling_and_matches_every_family(cache_dir, populated):
+    picked = _one_bf16_spec_per_family()
+    assert {"pointwise", "norm", "softmax", "reduce_rows", "pool", "matmul"} <= set(picked)
+    cache = KernelCache(cache_dir)
+    keys = {cache.get(spec, "sm_90").key[:16] for spec in picked.values()}
+    for spelling in ("bf16", "bfloat16"):
+        rows = _json(nvdnn(cache_dir, "cache", "list", "--dtype", spelling, "--json"))
+        assert {r["key"] for r in rows} >= keys and {r["family"] for r in rows} == set(picked)
+    fp16 = _json(nvdnn(cache_dir, "cache", "list", "--dtype", "fp16", "--json"))
+    assert {r["key"] for r in fp16} == {populated[2].key[:16]}
+
+
+@pytest.mark.parametrize("option, value", [("--family", "conv2d"), ("--dtype", "bf17"), ("--arch", "sm_99")])
+def test_cache_list_refuses_unknown_filters(cache_dir, option, value):
+    result = nvdnn(cache_dir, "cache", "list", option, value)
+    assert result.returncode == 2 and value in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dry_run_and_cache_show_the_arch_a_kernel_is_built_for(cache_dir, tmp_path):
+    wgmma = next(s for s in matmul.preset() if s.kernel == "wgmma")
+    spec_file = _write_spec_file(tmp_path / "specs.jsonl", [wgmma])
+    planned = _json(nvdnn(cache_dir, "warm", "--arch", "sm_90", "--spec-file", str(spec_file), "--dry-run", "--json"))
+    assert [(r["arch"], r["cached"]) for r in planned] == [("sm_90a", False)]
+    assert nvdnn(cache_dir, "warm", "--arch", "sm_90", "--spec-file", str(spec_file)).returncode == 0
+    again = _json(nvdnn(cache_dir, "warm", "--arch", "sm_90", "--spec-file", str(spec_file), "--dry-run", "--json"))
+    assert [(r["arch"], r["cached"]) for r in again] == [("sm_90a", True)]
+    for arch in ("sm_90", "sm_90a"):  # a Hopper device's kernels, whichever way it is spelt
+        listed = _json(nvdnn(cache_dir, "cache", "list", "--arch", arch, "--json"))
+        assert [(r["uri"], r["arch"]) for r in listed] == [(wgmma.uri, "sm_90a")]
+    assert _json(nvdnn(cache_dir, "cache", "list", "--arch", "sm_80", "--json")) == []
+
+
+def test_the_cache_miss_hint_is_a_command_that_works(cache_dir, tmp_path, monkeypatch):
+    """Follow the CacheMissError's advice literally: record, then run the command it gives."""
+    specs = [next(s for s in matmul.preset() if s.kernel == "wgmma"), pointwise.preset()[0]]
+    monkeypatch.setenv("NVDNN_NO_COMPILE", "1")
+    with pytest.raises(CacheMissError) as info:
+        KernelCache(cache_dir).get(specs[0], "sm_90")
+    command = re.search(r"`nvdnn (.*?)`", str(info.value)).group(1).split()
+    record = re.search(r"`NVDNN_RECORD=([^`]+)`", str(info.value)).group(1)
+    monkeypatch.delenv("NVDNN_NO_COMPILE")
+    monkeypatch.setenv("NVDNN_RECORD", str(tmp_path / record))
+    for spec in specs:  # the program, run once where it may compile (another machine's cache)
+        KernelCache(tmp_path / "elsewhere").get(spec, "sm_90")
+    monkeypatch.delenv("NVDNN_RECORD")
+    result = subprocess.run([sys.executable, "-m", "nvdnn", *command], capture_output=True, text=True,
+                            env=dict(os.environ, NVDNN_CACHE_DIR=str(cache_dir)), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("NVDNN_NO_COMPILE", "1")
+    for spec in specs:
+        KernelCache(cache_dir).get(spec, "sm_90")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import nvdnn
-from nvdnn import compiler, functional, functional_anchors, models
-from nvdnn.cache import KernelCache
+from nvdnn import arrays, compiler, functional, functional_anchors, functional_matmul, launcher, models
+from nvdnn.cache import KernelCache, default_cache
 from nvdnn.errors import CacheMissError, ValidationError
 from nvdnn.graph import anchors
 from nvdnn.graph.tensor import contiguous_strides, nhwc_strides
@@ -36,6 +36,10 @@ class Fake:
 
     def reshape(self, shape):
         return Fake(shape, self.dtype)
+
+    @property
+    def T(self):  # noqa: N802 - NumPy's name
+        return Fake(self.shape[::-1], self.dtype, tuple(s // self.itemsize for s in self.strides[::-1]))
 
 
 @pytest.fixture
@@ -63,8 +67,17 @@ def offline_program(monkeypatch):
         functional._graph_for(steps, xs, tuple(names), out_dtype, params, 0, 16)
         return Fake(np.broadcast_shapes(*[x.shape for x in xs]), out_dtype)
 
+    def launch(plan, tensors, stream=None):  # nvdnn.matmul's launch: only the kernels' cache lookups
+        for step in plan.launches:
+            default_cache().get(step.spec, "sm_90")
+
+    fake_cupy = SimpleNamespace(ndarray=Fake, empty=Fake, cuda=SimpleNamespace(runtime=SimpleNamespace(
+        getDevice=lambda: 0)))
     monkeypatch.setattr(fa, "call", call)
     monkeypatch.setattr(functional, "_run", run)
+    monkeypatch.setattr(arrays, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(launcher, "run", launch)
+    monkeypatch.setattr(functional_matmul, "_PLANS", {})
     return lambda: monkeypatch.setenv("NVDNN_NO_COMPILE", "1")  # call after warming
 
 
@@ -98,8 +111,10 @@ def run_resnet50(n: int, dtype: str, layout: str) -> int:
             bn(width, side)
             t = bn(out, side, relu=False)
             h = add_relu(t, h if block else bn(out, side, relu=False))
-    nvdnn.global_avg_pool2d(h)
-    return calls + 1
+    pooled = nvdnn.global_avg_pool2d(h)
+    fc = Fake((1000, 2048), dtype)                             # nn.Linear(2048, 1000).weight: (N, K)
+    nvdnn.matmul(pooled.reshape((n, 2048)), fc.T, Fake((1000,), dtype))
+    return calls + 2
 
 
 def run_decoder_layer(p: dict, dtype: str) -> int:
@@ -122,7 +137,18 @@ def run_decoder_layer(p: dict, dtype: str) -> int:
     nvdnn.bias_act(h, b, "gelu", layout="NHWC"), nvdnn.bias_act(h, b, "silu", layout="NHWC")
     nvdnn.elementwise([("silu", ""), ("mul", "x1")], h, h)   # SwiGLU: silu(gate) * up
     nvdnn.bias_act(x, w, layout="NHWC")                       # a projection's bias
-    return 16
+
+    def linear(a, n_out, activation=None, bias=True):  # the README's way: nn.Linear's (N, K) weight, x @ w.T + b
+        weight = Fake((n_out, a.shape[-1]), dtype)
+        return nvdnn.matmul(a, weight.T, Fake((n_out,), dtype) if bias else None, activation=activation)
+
+    qkv = (p["heads"] + 2 * (p["kv_heads"] or p["heads"])) * p["head_dim"]
+    linear(x, qkv)
+    linear(Fake((tokens, p["heads"] * p["head_dim"]), dtype), p["hidden"])
+    linear(x, ffn, "gelu")
+    linear(h, p["hidden"])
+    linear(x, ffn, bias=False), linear(x, ffn, bias=False)  # a gated MLP's gate and up (no bias)
+    return 22
 
 
 def _missing(name: str) -> set:
@@ -147,7 +173,7 @@ def test_resnet50_warms_and_its_program_finds_every_kernel(cache_dir, offline_pr
     offline_program()
     for n in (1, 8, 32, 64):
         for dtype, layout in (("float16", "NHWC"), ("bfloat16", "NHWC"), ("float32", "NCHW")):
-            assert run_resnet50(n, dtype, layout) == 53 + 16 + 2
+            assert run_resnet50(n, dtype, layout) == 53 + 16 + 3
     with pytest.raises(CacheMissError):  # the check has teeth: an unwarmed batch size misses
         run_resnet50(5, "float16", "NCHW")
 
@@ -161,6 +187,11 @@ def test_transformer_warms_and_its_program_finds_every_kernel(cache_dir, offline
         run_decoder_layer(plan.params, dtype)
     with pytest.raises(CacheMissError):
         run_decoder_layer(plan.params | {"seq": 16384}, "bfloat16")
+
+
+def test_every_model_preset_has_a_program_above():
+    """Each preset is warmed and then run the README's way by a test above; a new preset adds one."""
+    assert set(models.MODELS) == {"resnet50", "transformer"}
 
 
 def test_default_transformer_plans_for_two_archs_with_every_candidate():
