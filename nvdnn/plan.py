@@ -2,6 +2,7 @@
 machine code, verified in full before anything is loaded.
 
     MAGIC(8) | format (u32 LE) | header length (u32 LE) | header (JSON) | cubins | sha256 (32)
+    [ | b"NVDNNSIG" | HMAC-SHA256 (32) ]     signed blobs only (nvdnn.plan_sign)
 
 The header holds the nvdnn version, arch, NVRTC version, the graph description, the io
 uids, the workspace size, per kernel group the chosen spec and the cubins of its launches,
@@ -15,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from typing import NamedTuple
 
-from . import compiler, cubin
+from . import compiler, cubin, plan_sign
 from .cache import KernelBinary
 from .errors import NvdnnError, PlanFormatError
 from .plan_schema import check_header, check_sizes
@@ -51,9 +53,11 @@ def kernel_key(uri: str, arch: str, entry: str, sha256: str) -> str:
     return hashlib.sha256(json.dumps([uri, arch, entry, sha256]).encode()).hexdigest()
 
 
-def serialize(graph) -> bytes:
+def serialize(graph, key=None) -> bytes:
+    """The blob of a built graph, signed when a key is given (or NVDNN_PLAN_KEY_FILE names one)."""
     from . import __version__
     graph._require("built")
+    key = plan_sign.resolve(key)
     specs = [specs[c] for specs, c in zip(graph.candidates, graph.chosen)]
     launches = [[graph.binaries[s] for s in graph._launch_specs(i, spec)] for i, spec in enumerate(specs)]
     kernels = list(dict.fromkeys(b for group in launches for b in group))
@@ -72,7 +76,15 @@ def serialize(graph) -> bytes:
     }
     head = json.dumps(header, sort_keys=True).encode()
     body = MAGIC + _U32.pack(FORMAT) + _U32.pack(len(head)) + head + b"".join(k.cubin for k in kernels)
-    return body + hashlib.sha256(body).digest()
+    blob = body + hashlib.sha256(body).digest()
+    return blob + plan_sign.trailer(blob, key) if key else blob
+
+
+def sign(blob: bytes, key) -> bytes:
+    """``blob``, checked in full, signed with ``key`` (a signature it had is replaced)."""
+    key = plan_sign.check_key(key)
+    body = check(blob).body
+    return body + plan_sign.trailer(body, key)
 
 
 def _field(condition: bool, field: str, message: str):
@@ -80,9 +92,16 @@ def _field(condition: bool, field: str, message: str):
         raise PlanFormatError(message, field=field)
 
 
-def read_header(blob: bytes) -> tuple[dict, list[bytes]]:
-    """Verify ``blob`` (framing and checksum, the header against its schema, each cubin against
-    its row); return its header and cubin images."""
+class Checked(NamedTuple):
+    header: dict
+    images: list[bytes]
+    body: bytes                 # the blob without its signature
+    signed: bool
+
+
+def check(blob: bytes, key: bytes | None = None) -> Checked:
+    """Verify ``blob``: framing and checksum, the signature (required when ``key`` is given), the
+    header against its schema, and each cubin against its row."""
     _field(isinstance(blob, (bytes, bytearray, memoryview)), "blob", "expected bytes")
     blob = bytes(blob)
     _field(len(blob) >= _FIXED + 32, "length", f"{len(blob)} bytes is shorter than any plan blob")
@@ -98,17 +117,21 @@ def read_header(blob: bytes) -> tuple[dict, list[bytes]]:
         raise PlanFormatError(f"not valid JSON ({exc})", field="header") from None
     check_sizes(header)
     end = _FIXED + head_len + sum(k["size"] for k in header["kernels"]) + 32
-    _field(len(blob) == end, "length", f"{len(blob)} bytes, the header describes {end} (truncated?)")
-    _field(hashlib.sha256(blob[:-32]).digest() == blob[-32:], "checksum", "sha256 mismatch: the blob is damaged")
+    signed = len(blob) == end + plan_sign.TRAILER and blob[end:end + len(plan_sign.MAGIC)] == plan_sign.MAGIC
+    _field(len(blob) == end or signed, "length", f"{len(blob)} bytes, the header describes {end} (truncated?)")
+    body = blob[:end]
+    _field(hashlib.sha256(body[:-32]).digest() == body[-32:], "checksum", "sha256 mismatch: the blob is damaged")
+    if key is not None:
+        plan_sign.verify(body, blob[end:] if signed else None, key)
     check_header(header)
     images, offset, first = [], _FIXED + head_len, {}
     for i, k in enumerate(header["kernels"]):
-        images.append(blob[offset:offset + k["size"]])
+        images.append(body[offset:offset + k["size"]])
         offset += k["size"]
         _check_image(i, k, images[-1])
         _field(first.setdefault(k["key"], i) == i, f"kernels[{i}].key",
                f"the key of kernels[{first[k['key']]}] again: one key, one kernel")
-    return header, images
+    return Checked(header, images, body, signed)
 
 
 def _check_image(i: int, row: dict, image: bytes) -> None:
@@ -130,10 +153,17 @@ def _check_image(i: int, row: dict, image: bytes) -> None:
            "is not this kernel's key (the sha256 of its uri, arch, entry and image digest)")
 
 
-def deserialize(blob: bytes):
-    """A built Graph from ``blob``, ready to execute; compiles nothing."""
+def read_header(blob: bytes, key: bytes | None = None) -> tuple[dict, list[bytes]]:
+    """Verify ``blob`` (see check); return its header and cubin images."""
+    checked = check(blob, key)
+    return checked.header, checked.images
+
+
+def deserialize(blob: bytes, key=None):
+    """A built Graph from ``blob``, ready to execute; compiles nothing. With a key (``key=`` or
+    NVDNN_PLAN_KEY_FILE) the blob must carry that key's signature."""
     from . import __version__
-    header, images = read_header(blob)
+    header, images = read_header(blob, plan_sign.resolve(key))
     _field(header["nvdnn_version"] == __version__, "nvdnn_version",
            f"built by nvdnn {header['nvdnn_version']!r}, this is {__version__}")
     arch = header["arch"]

@@ -38,7 +38,8 @@ def build(tmp_path_factory) -> SimpleNamespace:
     conftest's per-test isolation: the build gets its own cache folder and a clean environment."""
     folder = tmp_path_factory.mktemp("blob-cache")
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("NVDNN_NO_COMPILE", "NVDNN_RECORD", "NVDNN_DUMP_SOURCE", "NVDNN_LOG_LEVEL"):
+        for name in ("NVDNN_NO_COMPILE", "NVDNN_RECORD", "NVDNN_DUMP_SOURCE", "NVDNN_LOG_LEVEL",
+                     "NVDNN_PLAN_KEY_FILE"):
             mp.delenv(name, raising=False)
         mp.setenv("NVDNN_CACHE_DIR", str(folder))
         g, x, b, y1, y2 = three_kernel_graph()
@@ -104,7 +105,7 @@ def rekeyed(change):
     return edit
 
 
-def refused(blob) -> PlanFormatError:
+def refused(blob, **kwargs) -> PlanFormatError:
     with pytest.raises(PlanFormatError) as info:
-        nvdnn.Graph.deserialize(blob)
+        nvdnn.Graph.deserialize(blob, **kwargs)
     return info.value

@@ -1,7 +1,7 @@
 """Plan blobs on the CPU: a deviceless 3-kernel build serialized and loaded back (in this process and
 in a fresh one that may not compile), how fast it loads, and every kind of damage refused with a
 PlanFormatError naming the field: each header field changed and re-sealed, truncations, flipped bits.
-tests/test_plan_reliability.py sweeps every header field.
+tests/test_plan_reliability.py sweeps every header field; tests/test_plan_sign.py covers signatures.
 
 Blob layout (nvdnn.plan): MAGIC(8) | format u32 LE | header length u32 LE | header JSON | cubins | sha256.
 """
