@@ -16,7 +16,7 @@ from .errors import PlanFormatError
 KEY = re.compile(r"[0-9a-f]{64}\Z")      # a sha256 hexdigest: kernel keys and image digests
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ARCH = re.compile(r"sm_[1-9][0-9]*[af]?\Z")
-MAX_RANK = 8
+MAX_RANK = 32                            # far above any kernel's (pointwise and reductions take 8)
 MAX_DIM = 1 << 40                        # one dim; a tensor holds at most MAX_ELEMENTS
 MAX_ELEMENTS = 1 << 48
 MAX_STRIDE = 1 << 48
@@ -70,7 +70,7 @@ def plain(depth: int = 2):
     """A JSON scalar, or a list of them nested at most ``depth`` deep (spec fields, attributes)."""
     def check(value, field):
         if isinstance(value, list):
-            if depth == 0 or len(value) > 64:
+            if depth == 0 or len(value) > MAX_ITEMS:
                 fail(field, "nested too deep or too long")
             for i, item in enumerate(value):
                 plain(depth - 1)(item, f"{field}[{i}]")
