@@ -24,6 +24,7 @@ MAX_ITEMS = 4096                         # tensors, nodes, groups, kernels of on
 MAX_CUBIN = 256 << 20
 MAX_WORKSPACE = 1 << 48
 _MAX_TEXT = 1024
+_MAX_URI = 1 << 16                       # a uri grows with a fused chain's steps
 _MAX_NUMBER = 1 << 53                    # ints exact as float64; params and attrs are scalars
 
 
@@ -128,7 +129,7 @@ def obj(fields: dict, exact: bool = True):
 
 
 UID = integer(0, (1 << 31) - 1)
-NAME = text(256)
+NAME = text()
 DTYPE = text(32, _IDENT, "a data type name")
 ALIGNMENT = integer(1, 16)
 OUTPUT = obj({"uid": UID, "name": NAME, "data_type": DTYPE, "virtual": boolean, "alignment": ALIGNMENT})
@@ -143,7 +144,7 @@ GRAPH = obj({"name": NAME, "io_data_type": DTYPE, "intermediate_data_type": DTYP
              "tensors": seq(TENSOR, 1, MAX_ITEMS), "nodes": seq(NODE, 1, MAX_ITEMS)})
 SPEC = obj({"family": text(64, _IDENT, "a kernel family name"), "fields": mapping(plain(2))})
 GROUP = obj({"spec": SPEC, "launches": seq(integer(0, MAX_ITEMS - 1), 1, 16)})
-KERNEL = obj({"key": text(64, KEY, "64 lowercase hex characters"), "uri": text(),
+KERNEL = obj({"key": text(64, KEY, "64 lowercase hex characters"), "uri": text(_MAX_URI),
               "entry": text(256, _IDENT, "a C identifier"), "arch": text(16, _ARCH, "an arch name such as sm_90"),
               "size": integer(1, MAX_CUBIN), "sha256": text(64, KEY, "64 lowercase hex characters")})
 SIZES = seq(obj({"size": integer(1, MAX_CUBIN)}, exact=False), 1, MAX_ITEMS)
