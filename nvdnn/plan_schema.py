@@ -2,8 +2,8 @@
 is built from it, so a re-sealed header can only fail as a PlanFormatError naming the field.
 
 The schema is a table (HEADER) of small checkers; what it cannot say alone (the same number of
-dims and strides, a launch index inside the kernel table, a key used twice) is checked after
-the table, still before the graph is rebuilt. Bounds are generous for real plans and small
+dims and strides, a launch index inside the kernel table) is checked after the table, still
+before the graph is rebuilt. Kernel keys and digests must be 64 lowercase hex characters (KEY). Bounds are generous for real plans and small
 enough that nothing downstream overflows or runs long on them.
 """
 from __future__ import annotations
@@ -30,11 +30,6 @@ _MAX_NUMBER = 1 << 53                    # ints exact as float64; params and att
 
 def fail(field: str, message: str):
     raise PlanFormatError(message, field=field)
-
-
-def is_key(value) -> bool:
-    """A kernel key or digest: 64 lowercase hex characters (never a path, never anything else)."""
-    return isinstance(value, str) and KEY.match(value) is not None
 
 
 # -- checkers: each takes (value, field name) and raises PlanFormatError naming the field --------
