@@ -125,6 +125,30 @@ def test_a_key_is_the_blobs_own_digest(built, key):
     assert refused(_edited(built.blob, setter(["kernels", 0, "key"], key))).field == "kernels[0].key"
 
 
+def test_damaged_elf_headers_and_section_tables_are_plan_format_errors(built):
+    """Every third byte of the ELF header and of the section header table changed, re-sealed and
+    rekeyed: nothing but a PlanFormatError comes out (a byte nothing reads, such as a section's
+    load address, leaves the blob valid)."""
+    _, _, images = split(built.blob)
+    (shoff,) = struct.unpack_from("<Q", images[0], 0x28)
+    positions = list(range(0, 64, 3)) + [0x31] + list(range(shoff, len(images[0]), 3))   # 0x31: the SM
+    outcomes = {}
+    for position in positions:
+        def damage(h, im):
+            image = bytearray(im[0])
+            image[position] ^= 0xA5
+            im[0] = bytes(image)
+        try:
+            nvdnn.Graph.deserialize(_edited(built.blob, damage, keyed=True))
+            outcome = "accepted"
+        except PlanFormatError as exc:
+            outcome = exc.field
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"\nELF bytes damaged: {len(positions)}, outcomes {outcomes}")
+    assert set(outcomes) <= {"accepted", "kernels[0]", "kernels[0].arch", "kernels[0].entry"}
+    assert outcomes["kernels[0]"] > 50 and outcomes["kernels[0].arch"] >= 1
+
+
 def test_a_key_is_not_reused(built):
     def reuse(h, im):
         h["kernels"][1]["key"] = h["kernels"][0]["key"]
