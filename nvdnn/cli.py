@@ -1,5 +1,5 @@
 """The nvdnn command line: `nvdnn warm`, `nvdnn cache info|list|verify|clear|export|import`,
-`nvdnn plan inspect|verify`."""
+`nvdnn plan inspect|verify|sign`."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 from . import __version__, compiler, dtypes
 from . import models
 from . import warm as warming
-from .cache import KernelCache, check_record_file
+from .cache import KernelCache, _atomic_write, check_record_file
 from .errors import NvdnnError, ValidationError
 from .spec import FAMILIES
 
@@ -40,7 +40,10 @@ model presets and their parameters (--param KEY=VALUE, lists with commas):
   NVDNN_CACHE_DIR=/srv/k nvdnn cache import kernels.tar   ...verified entry by entry""",
     "plan": """examples:
   nvdnn plan inspect model.plan                       header, kernels and their uris
-  nvdnn plan verify model.plan --json                 every check deserialize makes""",
+  nvdnn plan verify model.plan --json                 every check deserialize makes
+  head -c 32 /dev/urandom > plan.key                  a signing key (keep it secret)
+  nvdnn plan sign model.plan --key-file plan.key      append an HMAC-SHA256 signature...
+  nvdnn plan verify model.plan --key-file plan.key    ...and require it (or set NVDNN_PLAN_KEY_FILE)""",
 }
 
 
@@ -199,19 +202,31 @@ def _loads(device_arch: str, built_for: str) -> bool:
 
 
 def _cmd_plan(args) -> int:
-    from . import plan
+    from . import plan, plan_sign
     try:
         blob = Path(args.blob).read_bytes()
     except OSError as exc:
         raise ValidationError(f"{args.blob}: cannot read the plan blob: {exc.strerror}", arg="blob") from None
-    header, images = plan.read_header(blob)  # framing, checksum and every kernel image
+    checked = plan.check(blob)  # framing, checksum, header schema and every kernel image
+    header = checked.header
+    if args.action in ("sign", "verify"):
+        key = plan_sign.read_key(args.key_file) if args.key_file else plan_sign.resolve(None)
+    if args.action == "sign":
+        if key is None:
+            raise NvdnnError("plan sign: give --key-file FILE or set NVDNN_PLAN_KEY_FILE", arg="key_file")
+        _atomic_write(Path(args.blob), plan.sign(blob, key))
+        print(json.dumps({"blob": args.blob, "signed": True}) if args.json else f"{args.blob}: signed")
+        return 0
     if args.action == "verify":
-        plan.deserialize(blob)  # every field, the graph rebuilt: nothing compiles, nothing loads
-        print(json.dumps({"blob": args.blob, "ok": True}) if args.json else f"{args.blob}: ok")
+        plan.deserialize(blob, key)  # every field, the graph rebuilt: nothing compiles, nothing loads
+        trust = "signature verified" if key else "integrity only: " + ("signed, no key given" if checked.signed
+                                                                        else "not signed")
+        print(json.dumps({"blob": args.blob, "ok": True, "signed": checked.signed, "signature_verified": bool(key)})
+              if args.json else f"{args.blob}: ok ({trust})")
         return 0
     info = {"blob": args.blob, "bytes": len(blob), "nvdnn_version": header.get("nvdnn_version"),
             "arch": header.get("arch"), "nvrtc": header.get("nvrtc"), "workspace_size": header.get("workspace_size"),
-            "graph": header.get("graph", {}).get("name"), "uids": header.get("uids"),
+            "graph": header.get("graph", {}).get("name"), "uids": header.get("uids"), "signed": checked.signed,
             "kernels": [{"uri": k["uri"], "entry": k["entry"], "bytes": k["size"]} for k in header["kernels"]]}
     if args.json:
         print(json.dumps(info, indent=1))
@@ -260,11 +275,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--repair", action="store_true", help="with verify: remove bad entries")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(run=_cmd_cache)
-    pl = sub.add_parser("plan", help="inspect or verify a plan blob (Graph.serialize)", epilog=EXAMPLES["plan"],
+    pl = sub.add_parser("plan", help="inspect, verify or sign a plan blob (Graph.serialize)", epilog=EXAMPLES["plan"],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    pl.add_argument("action", choices=("inspect", "verify"),
-                    help="inspect: header and kernels; verify: every check deserialize makes")
+    pl.add_argument("action", choices=("inspect", "verify", "sign"),
+                    help="inspect: header and kernels; verify: every check deserialize makes (and the "
+                    "signature, given a key); sign: sign BLOB in place")
     pl.add_argument("blob", help="a plan blob file (Graph.serialize)")
+    pl.add_argument("--key-file", help="file holding the signing key: sign signs BLOB in place, verify requires "
+                    "its signature (default: NVDNN_PLAN_KEY_FILE; never the key itself on the command line)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(run=_cmd_plan)
     return top

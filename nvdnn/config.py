@@ -44,6 +44,9 @@ SETTINGS = {s.name: s for s in (
             "file to append every kernel spec this process needs, one JSON line each "
             "(replay with `nvdnn warm --spec-file FILE`)"),
     Setting("NVDNN_LOG_LEVEL", _log_level, "warning", "debug | info | warning | error"),
+    Setting("NVDNN_PLAN_KEY_FILE", _text, "",
+            "file holding a plan-blob signing key (32+ random bytes): Graph.serialize signs with it, and "
+            "Graph.deserialize refuses any blob not signed with it"),
     Setting("NVDNN_CUDA_INCLUDE", _text, "",
             "folder holding cuda_fp16.h and friends (default: the nvidia-cuda-runtime package, "
             "then $CUDA_PATH/include)"),

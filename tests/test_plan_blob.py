@@ -1,6 +1,7 @@
 """Plan blobs on the CPU: a deviceless 3-kernel build serialized and loaded back (in this process and
 in a fresh one that may not compile), how fast it loads, and every kind of damage refused with a
 PlanFormatError naming the field: each header field changed and re-sealed, truncations, flipped bits.
+tests/test_plan_reliability.py sweeps every header field; tests/test_plan_sign.py covers signatures.
 
 Blob layout (nvdnn.plan): MAGIC(8) | format u32 LE | header length u32 LE | header JSON | cubins | sha256.
 """
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,64 +25,15 @@ import nvdnn
 from nvdnn import plan
 from nvdnn.errors import PlanFormatError
 from nvdnn.spec import KernelSpec
-
-ARCH = "sm_90"
-MAGIC = b"NVDNNPLN"
-_FIXED = 16
+from tests.blobs import ARCH, FIXED as _FIXED, MAGIC, build, holder, refused, seal, split
+from tests.blobs import deleter as _deleter, rekeyed as _rekeyed, setter as _setter
 
 
 # -- the blob under test ----------------------------------------------------------------------------
 
-def _three_kernel_graph():
-    """x + b shared by two consumers: three kernels, one workspace tensor."""
-    g = nvdnn.Graph(arch=ARCH, name="three_kernels")
-    x = g.tensor(dims=[4, 64], name="x")
-    b = g.tensor(dims=[1, 64], name="b")
-    h = g.add(x, b)
-    y1 = g.relu(g.scale(h, 2.0), negative_slope=0.1).set_output(True)
-    y2 = g.sigmoid(h).set_output(True)
-    return g, x, b, y1, y2
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    # Module-scoped, so it runs before conftest's per-test isolation: isolate the build here too.
-    folder = tmp_path_factory.mktemp("blob-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("NVDNN_NO_COMPILE", "NVDNN_RECORD", "NVDNN_DUMP_SOURCE", "NVDNN_LOG_LEVEL"):
-            mp.delenv(name, raising=False)
-        mp.setenv("NVDNN_CACHE_DIR", str(folder))
-        g, x, b, y1, y2 = _three_kernel_graph()
-        g.build()
-        blob = g.serialize()
-    return SimpleNamespace(graph=g, blob=blob, x=x, b=b, y1=y1, y2=y2)
-
-
-def split(blob: bytes):
-    """Decode a blob by the documented layout (independently of nvdnn.plan.read_header)."""
-    assert blob[:8] == MAGIC
-    fmt, head_len = struct.unpack_from("<II", blob, 8)
-    header = json.loads(blob[_FIXED:_FIXED + head_len])
-    images, offset = [], _FIXED + head_len
-    for k in header["kernels"]:
-        images.append(blob[offset:offset + k["size"]])
-        offset += k["size"]
-    assert offset + 32 == len(blob)
-    assert hashlib.sha256(blob[:-32]).digest() == blob[-32:]
-    return fmt, header, images
-
-
-def seal(header, images, fmt: int = plan.FORMAT, magic: bytes = MAGIC, head: bytes | None = None) -> bytes:
-    """Re-encode with a recomputed sha256: only the field checks can catch what was changed."""
-    head = json.dumps(header, sort_keys=True).encode() if head is None else head
-    body = magic + struct.pack("<II", fmt, len(head)) + head + b"".join(images)
-    return body + hashlib.sha256(body).digest()
-
-
-def refused(blob) -> PlanFormatError:
-    with pytest.raises(PlanFormatError) as info:
-        nvdnn.Graph.deserialize(blob)
-    return info.value
+    return build(tmp_path_factory)
 
 
 def chosen_specs(g):
@@ -93,7 +44,7 @@ def chosen_specs(g):
 
 def test_the_blob_holds_three_kernels(built):
     fmt, header, images = split(built.blob)
-    assert MAGIC == plan.MAGIC and fmt == plan.FORMAT == 2
+    assert MAGIC == plan.MAGIC and fmt == plan.FORMAT == 3
     assert len(built.graph.groups) == 3 and len(header["groups"]) == 3 and len(images) == 3
     assert header["arch"] == ARCH and header["nvdnn_version"] == nvdnn.__version__
     assert header["workspace_size"] == built.graph.get_workspace_size() == 1024   # 4*64 float32
@@ -113,7 +64,8 @@ def test_deserialize_gives_the_same_built_graph(built):
     for spec in chosen_specs(g):
         mine, theirs = g.binaries[spec], again.binaries[spec]
         assert theirs.cubin == mine.cubin
-        assert (theirs.key, theirs.uri, theirs.entry, theirs.arch) == (mine.key, mine.uri, mine.entry, mine.arch)
+        assert (theirs.uri, theirs.entry, theirs.arch) == (mine.uri, mine.entry, mine.arch)
+        assert theirs.key == plan.kernel_key(mine.uri, mine.arch, mine.entry, hashlib.sha256(mine.cubin).hexdigest())
     assert again.get_workspace_size() == g.get_workspace_size()
     assert again.serialize() == built.blob          # nothing lost on the way
 
@@ -242,30 +194,9 @@ def _shift_sizes(h, im):
     h["kernels"][1]["size"] += 16
 
 
-def _setter(path, value):
-    def change(h, im):
-        target = h
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] = value
-    return change
-
-
-def _deleter(path):
-    def change(h, im):
-        target = h
-        for key in path[:-1]:
-            target = target[key]
-        del target[path[-1]]
-    return change
-
-
 def _add(path, delta):
     def change(h, im):
-        target = h
-        for key in path[:-1]:
-            target = target[key]
-        target[path[-1]] += delta
+        holder(h, path)[path[-1]] += delta
     return change
 
 
@@ -294,15 +225,15 @@ TAMPER = [
     # groups
     ("spec_other_tile", _other_tile, "groups[0].spec"),
     ("spec_swapped", _swap_specs, "groups[0].spec"),
-    ("spec_not_a_plan_of_this_graph", _not_a_plan_of_this_graph, "groups[0].spec"),
+    ("spec_not_a_plan_of_this_graph", _rekeyed(_not_a_plan_of_this_graph), "groups[0].spec"),
     ("spec_invalid_block", _invalid_spec, "groups[0].spec"),
     ("spec_unknown_family", _unknown_family, "groups[0].spec"),
     ("spec_missing", _deleter(["groups", 0, "spec"]), "groups[0].spec"),
-    ("kernel_uri_changed", _setter(["kernels", 0, "uri"], "pointwise/something/else"), "groups[0].spec"),
-    ("group_kernel_out_of_range", _setter(["groups", 0, "launches", 0], 3), "groups[0].launches"),
-    ("group_kernel_negative", _setter(["groups", 0, "launches", 0], -1), "groups[0].launches"),
-    ("group_kernel_str", _setter(["groups", 0, "launches", 0], "0"), "groups[0].launches"),
-    ("group_kernel_bool", _setter(["groups", 0, "launches", 0], False), "groups[0].launches"),
+    ("kernel_uri_changed", _rekeyed(_setter(["kernels", 0, "uri"], "pointwise/something/else")), "groups[0].spec"),
+    ("group_kernel_out_of_range", _setter(["groups", 0, "launches", 0], 3), "groups[0].launches[0]"),
+    ("group_kernel_negative", _setter(["groups", 0, "launches", 0], -1), "groups[0].launches[0]"),
+    ("group_kernel_str", _setter(["groups", 0, "launches", 0], "0"), "groups[0].launches[0]"),
+    ("group_kernel_bool", _setter(["groups", 0, "launches", 0], False), "groups[0].launches[0]"),
     ("group_kernel_other", _setter(["groups", 0, "launches", 0], 1), "groups[0].spec"),
     ("group_launches_empty", _setter(["groups", 0, "launches"], []), "groups[0].launches"),
     ("group_launches_not_list", _setter(["groups", 0, "launches"], 0), "groups[0].launches"),
@@ -315,9 +246,9 @@ TAMPER = [
     ("kernel_sha256", _kernel_sha, "kernels[0].sha256"),
     ("kernel_size_plus_one", _add(["kernels", 0, "size"], 1), "length"),
     ("kernel_size_minus_one", _add(["kernels", 2, "size"], -1), "length"),
-    ("kernel_size_zero", _setter(["kernels", 0, "size"], 0), "kernels"),
-    ("kernel_size_negative", _setter(["kernels", 1, "size"], -5), "kernels"),
-    ("kernel_size_str", _setter(["kernels", 0, "size"], "5000"), "kernels"),
+    ("kernel_size_zero", _setter(["kernels", 0, "size"], 0), "kernels[0].size"),
+    ("kernel_size_negative", _setter(["kernels", 1, "size"], -5), "kernels[1].size"),
+    ("kernel_size_str", _setter(["kernels", 0, "size"], "5000"), "kernels[0].size"),
     ("kernel_sizes_shifted", _shift_sizes, "kernels[0].sha256"),
     ("kernel_not_elf", _not_elf, "kernels[0]"),
     ("kernel_entry_empty", _setter(["kernels", 0, "entry"], ""), "kernels[0].entry"),
@@ -325,16 +256,16 @@ TAMPER = [
     ("kernel_arch_missing", _deleter(["kernels", 2, "arch"]), "kernels[2].arch"),
     ("kernels_not_a_list", _setter(["kernels"], {}), "kernels"),
     # the graph description
-    ("graph_unknown_op", _node(op="frobnicate"), "graph"),
-    ("graph_op_missing", _deleter(["graph", "nodes", 0, "op"]), "graph"),
-    ("graph_node_output_missing", _deleter(["graph", "nodes", 0, "outputs"]), "graph"),
-    ("graph_node_unknown_input", _node(inputs=[1, 77]), "graph"),
-    ("graph_node_inputs_not_uids", _node(inputs=[1, [2]]), "graph"),
-    ("graph_node_params_not_numbers", _node(params=["a"]), "graph"),
-    ("graph_tensors_missing", _deleter(["graph", "tensors"]), "graph"),
-    ("graph_io_data_type_missing", _deleter(["graph", "io_data_type"]), "graph"),
+    ("graph_unknown_op", _node(op="frobnicate"), "graph.nodes[0].op"),
+    ("graph_op_missing", _deleter(["graph", "nodes", 0, "op"]), "graph.nodes[0].op"),
+    ("graph_node_output_missing", _deleter(["graph", "nodes", 0, "outputs"]), "graph.nodes[0].outputs"),
+    ("graph_node_unknown_input", _node(inputs=[1, 77]), "graph.nodes[0].inputs[1]"),
+    ("graph_node_inputs_not_uids", _node(inputs=[1, [2]]), "graph.nodes[0].inputs[1]"),
+    ("graph_node_params_not_numbers", _node(params=["a"]), "graph.nodes[0].params[0]"),
+    ("graph_tensors_missing", _deleter(["graph", "tensors"]), "graph.tensors"),
+    ("graph_io_data_type_missing", _deleter(["graph", "io_data_type"]), "graph.io_data_type"),
     ("graph_compute_float16", _setter(["graph", "compute_data_type"], "float16"), "graph"),
-    ("graph_tensor_dims_zero", _setter(["graph", "tensors", 0, "dims"], [0, 64]), "graph"),
+    ("graph_tensor_dims_zero", _setter(["graph", "tensors", 0, "dims"], [0, 64]), "graph.tensors[0].dims[0]"),
     ("graph_tensor_int32", _setter(["graph", "tensors", 0, "data_type"], "int32"), "graph"),
     ("graph_duplicate_uid", _setter(["graph", "tensors", 1, "uid"], 1), "graph"),
     ("graph_not_an_object", _setter(["graph"], [1, 2, 3]), "graph"),
@@ -448,10 +379,11 @@ def test_wrong_magic_is_refused(built):
 
 
 def test_other_format_versions_are_refused(built):
-    damaged = built.blob[:8] + struct.pack("<I", 3) + built.blob[12:]
+    damaged = built.blob[:8] + struct.pack("<I", 4) + built.blob[12:]
     error = refused(damaged)
-    assert error.field == "format" and "3" in str(error)
+    assert error.field == "format" and "4" in str(error)
     _, header, images = split(built.blob)
+    assert refused(seal(header, images, fmt=2)).field == "format"  # keys were the cache's, unverifiable
     assert refused(seal(header, images, fmt=1)).field == "format"  # one kernel per group: before anchors
     assert refused(seal(header, images, fmt=0)).field == "format"
 

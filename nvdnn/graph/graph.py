@@ -705,16 +705,18 @@ class Graph:
                 target[...] = values[uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
-    def serialize(self) -> bytes:
-        """The built graph as a plan blob (see nvdnn.plan): loads elsewhere without compiling."""
+    def serialize(self, key: bytes | None = None) -> bytes:
+        """The built graph as a plan blob (see nvdnn.plan): loads elsewhere without compiling.
+        ``key`` (or NVDNN_PLAN_KEY_FILE): sign it with HMAC-SHA256."""
         from .. import plan
-        return plan.serialize(self)
+        return plan.serialize(self, key)
 
     @staticmethod
-    def deserialize(blob: bytes) -> "Graph":
-        """A built graph from a blob, verified in full first; compiles nothing."""
+    def deserialize(blob: bytes, key: bytes | None = None) -> "Graph":
+        """A built graph from a blob, verified in full first; compiles nothing. ``key`` (or
+        NVDNN_PLAN_KEY_FILE): refuse the blob unless it carries that key's signature."""
         from .. import plan
-        return plan.deserialize(blob)
+        return plan.deserialize(blob, key)
 
     def capture(self, variant_pack, workspace=None) -> "CapturedGraph":
         """Capture one execute on these fixed buffers into a CUDA graph; replay it with ``.replay()``."""
