@@ -408,31 +408,34 @@ def causal_mask(sq, sk):
 
 
 def _masked_scores(x, axis, mask, causal):
+    """(t, its row max, exp(t - max), their sum, the fully masked rows); NaN and inf flow through
+    as in PyTorch (a NaN, or an inf - inf, makes the row NaN)."""
     t = _f64(x)
     if mask is not None:
         t = t + _f64(mask)
     if causal:
         t = t + causal_mask(*t.shape[-2:])
     m = t.max(axis=axis, keepdims=True)
-    m = np.where(np.isneginf(m), 0.0, m)  # a fully masked row: every exp is 0
+    masked = np.isneginf(m)
+    m = np.where(masked, 0.0, m)  # a fully masked row: every exp is 0
     with np.errstate(invalid="ignore"):
         e = np.exp(t - m)
-    return t, m, e, e.sum(axis=axis, keepdims=True)
+    return t, m, e, e.sum(axis=axis, keepdims=True), masked
 
 
 def softmax(x, axis=-1, mask=None, causal=False):
     """exp(t - max) / sum along ``axis``, t = x + mask (causal: -inf where j > i + Sk - Sq over the
     last two dims). A fully masked row gives 0s."""
-    _, _, e, s = _masked_scores(x, axis, mask, causal)
+    _, _, e, s, masked = _masked_scores(x, axis, mask, causal)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(s > 0, e / s, 0.0)
+        return np.where(masked, 0.0, e / s)
 
 
 def log_softmax(x, axis=-1, mask=None, causal=False):
     """(t - max) - log(sum(exp(t - max))); -inf where masked, -inf for a fully masked row."""
-    t, m, _, s = _masked_scores(x, axis, mask, causal)
+    t, m, _, s, masked = _masked_scores(x, axis, mask, causal)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(s > 0, (t - m) - np.log(s), -np.inf)
+        return np.where(masked, -np.inf, (t - m) - np.log(s))
 
 
 def softmax_backward(dy, y, axis=-1):
