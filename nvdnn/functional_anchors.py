@@ -39,7 +39,7 @@ def _activation(activation, params):
     if op is None:
         raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
                               arg="activation")
-    values = dict(SCHEMAS[op].params)
+    values = {k: default for k, default, _ in SCHEMAS[op].params}
     for key, value in params.items():
         if key not in values:
             raise ValidationError(f"{key}: {activation} takes {list(values) or 'no parameters'}", arg=key)

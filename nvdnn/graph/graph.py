@@ -27,6 +27,7 @@ from .. import kernels
 from ..kernels import pointwise
 from .anchors import ANCHORS, Epilogue, Meta
 from .ops import SCHEMAS
+from .rules import SCALAR, check_extent
 from .tensor import Tensor, contiguous_strides
 
 _STATES = ("new", "validated", "fused", "planned", "supported", "built")
@@ -143,6 +144,7 @@ class Graph:
         if len(strides) != len(dims) or not all(type(s) is int for s in strides):
             raise ValidationError(f"{label}: strides {list(strides)} must be {len(dims)} ints, one per dim",
                                   arg="strides")
+        check_extent(label, dims, strides)
         data_type = dtypes.dtype(data_type if data_type is not None else self.io_data_type, arg=label).name
         tensor = self._new_tensor(dims, strides, data_type, name, uid, is_virtual)
         tensor.alignment = alignment
@@ -172,15 +174,13 @@ class Graph:
             out_name: str | None = None) -> Tensor:
         node_name = self._node_name(op, name)
         schema = SCHEMAS[op]
-        expected = len(schema.params) if schema.arity == 1 or len(inputs) == 2 else 1
-        if len(inputs) not in (1, schema.arity) or len(params) != expected:
+        slots = schema.params if schema.arity == 1 or len(inputs) == 2 else (("scalar", None, SCALAR),)
+        if len(inputs) not in (1, schema.arity) or len(params) != len(slots):
             raise ValidationError(f"node '{node_name}' ({op}): takes {schema.arity} tensors and "
                                   f"{len(schema.params)} parameters (binary ops: a tensor or one scalar), got "
                                   f"{len(inputs)} tensors and {len(params)} parameters", arg=node_name)
-        for value in params:
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise ValidationError(f"node '{node_name}' ({op}): parameter {value!r} is not a real number",
-                                      arg=node_name)
+        params = tuple(rule.check(value, f"node '{node_name}' ({op})", key)
+                       for value, (key, _, rule) in zip(params, slots))
         for position, t in enumerate(inputs):
             if not isinstance(t, Tensor) or t.graph is not self:
                 raise ValidationError(f"node '{node_name}' ({op}): input {position} is not a tensor of graph "
@@ -193,7 +193,7 @@ class Graph:
         out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
                                out_name or (name if name and name not in self._names else f"{node_name}.out"), uid,
                                True)
-        node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), (out,))
+        node = Node(node_name, op, tuple(inputs), params, (out,))
         self._touch()
         out.producer = node
         self.nodes.append(node)
@@ -217,7 +217,8 @@ class Graph:
             roles.append(role), tensors.append(t)
         attrs = schema.attributes(attrs, f"node '{node_name}' ({op})")
         try:
-            metas = schema.infer(attrs, {r: Meta(t.dims, t.strides, t.data_type) for r, t in zip(roles, tensors)})
+            metas = schema.output_metas(attrs, {r: Meta(t.dims, t.strides, t.data_type)
+                                                for r, t in zip(roles, tensors)})
         except ValidationError as exc:
             raise ValidationError(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
         outputs = []
@@ -239,11 +240,11 @@ class Graph:
         schema = SCHEMAS[op]
 
         def method(self, x, *args, name=None, **kwargs):
-            names = [k for k, _ in schema.params]
+            names = [k for k, _, _ in schema.params]
             if len(args) > len(names):
                 raise ValidationError(f"{op}: takes {len(names)} parameters ({names or 'none'}), got "
                                       f"{len(args)} positional", arg=op)
-            values = dict(schema.params)
+            values = {k: default for k, default, _ in schema.params}
             for key, value in list(zip(names, args)) + list(kwargs.items()):
                 if key not in values:
                     raise ValidationError(f"{op}: unknown parameter '{key}' (takes {names or 'none'})", arg=key)
@@ -251,7 +252,7 @@ class Graph:
             return self._op(op, (x,), tuple(values[k] for k in names), name)
 
         method.__name__ = op
-        method.__doc__ = f"{op}(x{''.join(', ' + k for k, _ in schema.params)}) as a graph node."
+        method.__doc__ = f"{op}(x{''.join(', ' + k for k, _, _ in schema.params)}) as a graph node."
         return method
 
     def _binary(op):
@@ -643,7 +644,7 @@ class Graph:
             if node.op in ANCHORS:
                 metas = {r: Meta(shapes[t.uid], contiguous_strides(shapes[t.uid]), t.data_type)
                          for r, t in zip(node.roles, node.inputs)}
-                for t, meta in zip(node.outputs, ANCHORS[node.op].infer(dict(node.attrs), metas)):
+                for t, meta in zip(node.outputs, ANCHORS[node.op].output_metas(dict(node.attrs), metas)):
                     shapes[t.uid] = tuple(meta.dims)
             else:
                 shapes[node.output.uid] = pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs],
@@ -771,7 +772,7 @@ def _anchor_method(op: str):
         return self._anchor(op, inputs, kwargs, name)
 
     method.__name__ = op
-    method.__doc__ = (f"{op}({', '.join(schema.inputs)}; {', '.join(f'{k}={v!r}' for k, v in schema.attrs)}) "
+    method.__doc__ = (f"{op}({', '.join(schema.inputs)}; {', '.join(f'{k}={v!r}' for k, v, _ in schema.attrs)}) "
                       f"as a graph node -> {', '.join(schema.outputs)} (optional inputs end in '?').")
     return method
 
