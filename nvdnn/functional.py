@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, compiler, dtypes
+from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .graph import Graph
 from .kernels import pointwise
@@ -109,6 +110,8 @@ def elementwise(steps, *inputs, params=(), out=None, dtype=None, stream=None):
 
 
 def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
+    checks.check_chain(steps, inputs, names, params, out, dtype)  # before any device work
+    device = checks.device()
     cp = arrays.cupy()
     xs, back = [], None
     for name, x in zip(names, inputs):
@@ -119,15 +122,11 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
     out_dev = None
     if out is not None:
         out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
-    device = cp.cuda.runtime.getDevice()
     if type(steps) is not tuple:
         steps = tuple(tuple(step) for step in steps)
     key = (steps, dtype, device, len(params), None if out_dev is None else _signature(out_dev),
            *[_signature(x) for x in xs])
-    try:
-        prep = _PREPARED.get(key)
-    except TypeError:  # an unhashable dtype= argument
-        raise DTypeError(f"dtype: {dtype!r} is not a data type", arg="dtype") from None
+    prep = _PREPARED.get(key)
     if prep is None:
         out_dtype = _out_dtype(xs, out_dev, dtype)
         if any(0 in x.shape for x in xs):  # nothing to compute; shapes still have to agree
@@ -277,12 +276,13 @@ def bias_act(x, bias, activation=None, *, layout="NCHW", out=None, dtype=None, s
     axis = LAYOUTS.get(layout)
     if axis is None:
         raise ValidationError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}", arg="layout")
-    if getattr(x, "ndim", 0) < 2:
-        raise ValidationError(f"x: needs a channel axis, got shape {getattr(x, 'shape', None)}", arg="x")
-    channels = x.shape[axis]
-    if getattr(bias, "ndim", None) != 1 or bias.shape[0] != channels:
-        raise ValidationError(f"bias: shape {getattr(bias, 'shape', None)} should be ({channels},), the "
-                              f"channel dim {axis % x.ndim} of x {tuple(x.shape)} in {layout}", arg="bias")
+    shape, bias_shape = checks.describe(x, "x").shape, checks.describe(bias, "bias").shape
+    if len(shape) < 2:
+        raise ValidationError(f"x: needs a channel axis, got shape {shape}", arg="x")
+    channels = shape[axis]
+    if bias_shape != (channels,):
+        raise ValidationError(f"bias: shape {bias_shape} should be ({channels},), the channel dim "
+                              f"{axis % len(shape)} of x {shape} in {layout}", arg="bias")
     spec = pointwise.OPS[op]
     unknown = set(params) - {p for p, _ in spec.params}
     if unknown:
