@@ -433,7 +433,8 @@ class Graph:
         """Run the built graph. Keys: tensors, uids or names; values: device arrays.
 
         No allocation and no host synchronization: capturable into a CUDA graph.
-        ``backend="numpy"`` runs the float64 reference on NumPy arrays instead.
+        ``backend="numpy"`` runs the float64 reference on NumPy arrays instead: inputs hold the
+        tensors' data types as on the device, outputs those or float64 (the reference unrounded).
         """
         if backend == "numpy":
             return self._execute_numpy(variant_pack)
@@ -484,6 +485,25 @@ class Graph:
                                       arg=self._io[index].name)
         return bound
 
+    def _check_arrays(self, bound, exact_outputs: bool = False) -> dict[int, tuple]:
+        """Every array (one per io tensor, in slot order) against its tensor: its data type, its
+        rank, and for outputs the shape their nodes make of the inputs; the dims of every tensor.
+        The device and the NumPy backend check alike, except that the NumPy backend's outputs may
+        be float64 (``exact_outputs``) to receive the reference unrounded."""
+        for t, a in zip(self._io, bound):
+            exact = exact_outputs and t.producer is not None and a.dtype == np.float64
+            if not (exact or _holds(a, t.data_type)):
+                raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
+            if a.ndim != len(t.dims):
+                raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
+                                      arg=t.name)
+        shapes = self._shapes([a.shape for a in bound])
+        for t, a in zip(self._io, bound):
+            if t.producer is not None and a.shape != shapes[t.uid]:
+                raise ValidationError(f"tensor '{t.name}': array shape {a.shape} should be {shapes[t.uid]}, "
+                                      "what its node makes of its inputs", arg=t.name)
+        return shapes
+
     def _prepare(self, bound, workspace, device) -> list:
         """Check every array against its tensor, plan each group for these shapes, place the
         workspace, and bind every pointer."""
@@ -491,18 +511,10 @@ class Graph:
             if a.data.device_id != device:
                 raise DeviceError(f"tensor '{t.name}': array is on device {a.data.device_id}, the current device "
                                   f"is {device}", arg=t.name)
-            if not _holds(a, t.data_type):
-                raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
-            if a.ndim != len(t.dims):
-                raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
-                                      arg=t.name)
-        shapes = self._shapes([a.shape for a in bound])
+        shapes = self._check_arrays(bound)
         for t, a in zip(self._io, bound):
             if t.producer is None:
                 continue
-            if a.shape != shapes[t.uid]:
-                raise ValidationError(f"tensor '{t.name}': array shape {a.shape} should be {shapes[t.uid]}, "
-                                      "what its node makes of its inputs", arg=t.name)
             want = self._out_strides(t, shapes, bound)
             if tuple(s // a.itemsize for s in a.strides) != want and a.size > 1:
                 raise ValidationError(f"tensor '{t.name}': an output array must have strides {list(want)} (packed "
@@ -670,23 +682,25 @@ class Graph:
         return offsets, scratch, total
 
     def _execute_numpy(self, variant_pack):
-        """Float64 NumPy reference of every node; results written into the pack's arrays."""
+        """Float64 NumPy reference of every node; results written into the pack's arrays, which
+        are checked as the device path checks them (data types, ranks, shapes)."""
         if _STATES.index(self._state) < _STATES.index("fused"):
             self.validate().build_operation_graph()
-        values, targets = {}, {}
+        bound = [None] * len(self._io)
         for key, value in variant_pack.items():
             index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
             if index is None:
                 raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}'",
                                       arg="variant_pack")
-            t = self._io[index]
             if not isinstance(value, np.ndarray):
-                raise ValidationError(f"tensor '{t.name}': the numpy backend takes NumPy arrays, got "
-                                      f"{type(value).__name__}", arg=t.name)
-            (targets if t.producer is not None else values)[t.uid] = value
-        for t in self._io:
-            if t.uid not in values and t.uid not in targets:
+                raise ValidationError(f"tensor '{self._io[index].name}': the numpy backend takes NumPy arrays, got "
+                                      f"{type(value).__name__}", arg=self._io[index].name)
+            bound[index] = value
+        for t, value in zip(self._io, bound):
+            if value is None:
                 raise ValidationError(f"variant_pack: no array for tensor '{t.name}'", arg=t.name)
+        self._check_arrays(bound, exact_outputs=True)
+        values = {t.uid: a for t, a in zip(self._io, bound) if t.producer is None}
         for node in self.nodes:
             args = [_float64(values[t.uid], t.data_type) for t in node.inputs]
             if node.op in ANCHORS:
@@ -694,16 +708,15 @@ class Graph:
                 values.update((t.uid, np.asarray(r)) for t, r in zip(node.outputs, results))
             else:
                 values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
-        for uid, target in targets.items():
-            if target.shape != values[uid].shape:
-                raise ValidationError(f"tensor '{self.tensors[uid].name}': array shape {target.shape} should be "
-                                      f"{values[uid].shape}, what its node makes of its inputs",
-                                      arg=self.tensors[uid].name)
-            kind = dtypes.BY_NAME[self.tensors[uid].data_type]
-            if _fp8_bytes(target, kind.name):  # quantized bytes
-                target[...] = values[uid].astype(kind.host).view(np.uint8)
-            else:
-                target[...] = values[uid].astype(target.dtype)
+        for t, target in zip(self._io, bound):
+            if t.producer is None:
+                continue
+            kind = dtypes.BY_NAME[t.data_type]
+            with np.errstate(over="ignore"):  # a value beyond the type's range becomes inf, as on the device
+                if _fp8_bytes(target, kind.name):  # quantized bytes
+                    target[...] = values[t.uid].astype(kind.host).view(np.uint8)
+                else:
+                    target[...] = values[t.uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
     def serialize(self) -> bytes:
@@ -791,7 +804,7 @@ def _holds(array, data_type: str) -> bool:
     """Whether ``array`` holds ``data_type``: its own type, or uint8 bytes of a declared fp8 type."""
     if array.dtype == np.uint8:
         return _fp8_bytes(array, data_type)
-    return dtypes.of_array(array, arg="array").name == data_type
+    return array.dtype.name == dtypes.BY_NAME[data_type].numpy_name
 
 
 def _float64(value, data_type: str) -> np.ndarray:
