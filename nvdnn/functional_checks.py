@@ -117,12 +117,7 @@ def check_anchor(op: str, inputs: dict, attrs: dict, out, dtype) -> None:
     schema = ANCHORS[op]
     allowed = pointwise.DTYPES + schema.data_types
     metas = {}
-    for role in schema.roles:
-        value = inputs.get(role)
-        if value is None:
-            if role in schema.required:
-                raise ValidationError(f"{op}: needs an array for '{role}'", arg=role)
-            continue
+    for role, value in schema.given(inputs, op, "an array").items():
         meta = describe(value, role)
         _allowed(meta, role, allowed)
         metas[role] = Meta(meta.shape, meta.strides, meta.dtype)

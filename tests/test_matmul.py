@@ -38,13 +38,13 @@ def weight(dtype, k, n):
 def test_reference_epilogue_order():
     a, b = RNG.standard_normal((2, 5, 7)), RNG.standard_normal((7, 3))
     bias, res = RNG.standard_normal(3), RNG.standard_normal((2, 5, 3))
-    y, amax = ref.matmul(a, b, bias, alpha=0.5, beta=2.0, residual=res, activation="relu", scale_a=3.0,
-                         scale_b=0.25, scale_out=8.0, return_amax=True)
+    y, amax = ref.matmul_chain(a, b, bias, alpha=0.5, beta=2.0, residual=res, activation="relu", scale_a=3.0,
+                               scale_b=0.25, scale_out=8.0, return_amax=True)
     want = np.maximum(0.5 * 0.75 * (a @ b) + bias + 2.0 * res, 0.0)
     assert np.allclose(y, want * 8.0) and math.isclose(amax, np.abs(want).max())
     rows = ref.matmul(a, b, np.arange(5.0), bias_axis="row")
     assert np.allclose(rows, a @ b + np.arange(5.0)[:, None])
-    chained = ref.matmul(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
+    chained = ref.matmul_chain(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
     assert np.allclose(chained, ref.gelu(a @ b) * 2.0)
     for name in ("gelu_tanh", "silu", "relu", "gelu"):   # the functional API's activation names
         assert np.allclose(ref.matmul(a, b, activation=name), ref.ACTIVATIONS[name](a @ b))

@@ -3,6 +3,8 @@ defines otherwise: a fully masked softmax row gives zeros); the graph's NumPy ba
 arrays as the device path does; nvdnn.reference.<op> takes nvdnn.<op>'s arguments."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,42 @@ def test_numpy_backend_handles_0d_results_and_takes_float64_outputs_unrounded():
     y = g.amax(x, name="y").set_output(True)
     g.execute({x: np.array([1.0, -3.0, 2.0, 0.5], np.float32), y: out}, backend="numpy")
     assert out == 3.0
+
+
+# -- nvdnn.reference.<op> takes nvdnn.<op>'s arguments ----------------------------------------------
+
+DELIVERY = ("out", "dtype", "stream")  # keyword-only: where and in what type a GPU result lands
+
+
+def _parameters(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()
+            if not (p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in DELIVERY)]
+
+
+FUNCTIONAL = sorted(n for n in dir(nvdnn) if not n.startswith("_") and inspect.isfunction(getattr(nvdnn, n))
+                    and getattr(nvdnn, n).__module__.startswith("nvdnn.functional"))
+
+
+@pytest.mark.parametrize("name", FUNCTIONAL)
+def test_reference_takes_the_functional_arguments(name):
+    assert hasattr(ref, name), f"nvdnn.reference has no {name}"
+    assert _parameters(getattr(ref, name)) == _parameters(getattr(nvdnn, name))
+
+
+def test_reference_calls_written_the_functional_way():
+    x, g = np.linspace(-2, 2, 24).reshape(2, 3, 4), np.linspace(0.5, 1.5, 4)
+    y, mean, rstd = ref.layer_norm(x, g, g, return_stats=True)        # the second argument is gamma
+    h = x - x.mean(-1, keepdims=True)
+    np.testing.assert_allclose(y, h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5) * g + g)
+    dx, dg, db = ref.layer_norm_backward(np.ones_like(x), x, mean, rstd, g, g)
+    assert dx.shape == x.shape and dg.shape == db.shape == (4,)
+    np.testing.assert_allclose(ref.layer_norm(x, normalized_ndim=2, activation="relu"),
+                               np.maximum(ref.layer_norm(x, normalized_ndim=2), 0))
+    running = np.zeros(3), np.ones(3)
+    out, saved_mean, _ = ref.batch_norm(x, *running, training=True, momentum=0.5)
+    np.testing.assert_allclose(running[0], 0.5 * saved_mean)         # updated in place, as nvdnn.batch_norm
+    top = np.zeros(1)
+    w = ref.matmul(x[0], x[0].T, activation="relu", amax=top)
+    assert top[0] == np.abs(w).max()
+    np.testing.assert_allclose(ref.elementwise([("add", "x1"), ("mul", "p")], x, x, params=(0.5,)), x)
+    assert ref.cast(np.float64(1 / 3), "bfloat16") == 0.333984375                # rounded to bfloat16

@@ -61,6 +61,18 @@ class AnchorOp:
     def roles(self) -> tuple[str, ...]:
         return tuple(r.rstrip("?") for r in self.inputs)
 
+    def given(self, inputs: dict, where: str, what: str = "a tensor") -> dict:
+        """The inputs (role -> value) given for its roles, in role order; a required one missing
+        is an error naming it."""
+        out = {}
+        for role in self.roles:
+            value = inputs.get(role)
+            if value is not None:
+                out[role] = value
+            elif role in self.required:
+                raise ValidationError(f"{where}: needs {what} for '{role}'", arg=role)
+        return out
+
     def attributes(self, given: dict, where: str) -> dict:
         """Defaults filled in, unknown names refused, each value checked against its rule and
         given its canonical, JSON-plain form."""
@@ -228,7 +240,7 @@ register(
              lambda a, o, e: batchnorm.plan_batch_norm_inference(
                  o["x"], o["mean"], o["var"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
                  params=e.params, out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.batch_norm(v["x"], v["mean"], v["var"], v.get("gamma"), v.get("beta"), a["eps"]),),
+             lambda a, v: (ref.batch_norm(v["x"], v["mean"], v["var"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
              check=_per_channel("mean", "var", "gamma", "beta")),
     AnchorOp("batch_norm_training", "reduce", ("x", "gamma?", "beta?"), ("y", "saved_mean", "saved_invstd"),
              (("eps", 1e-5, _EPS),),
@@ -253,19 +265,19 @@ register(
              lambda a, o, e: batchnorm.plan_group_norm(
                  o["x"], a["groups"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
                  params=e.params, out_dtype=e.out_dtype, out_align=e.out_align),
-             lambda a, v: (ref.group_norm(v["x"], a["groups"], v.get("gamma"), v.get("beta"), a["eps"]),),
+             lambda a, v: (ref.group_norm(v["x"], a["groups"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
              tiles=False, check=_per_channel("gamma", "beta", divides="groups")),
     AnchorOp("instance_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("eps", 1e-5, _EPS),),
              lambda a, m: [_same(m["x"])],
              lambda a, o, e: batchnorm.plan_instance_norm(
                  o["x"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps, params=e.params,
                  out_dtype=e.out_dtype, out_align=e.out_align),
-             lambda a, v: (ref.instance_norm(v["x"], v.get("gamma"), v.get("beta"), a["eps"]),),
+             lambda a, v: (ref.instance_norm(v["x"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
              tiles=False, check=_per_channel("gamma", "beta")),
     AnchorOp("max_pool2d", "pool", ("x",), ("y",), _pool_attrs(), _pool_infer,
              lambda a, o, e: pool.plan_pool2d("max", o["x"], **_window(a), epilogue=e.steps, params=e.params,
                                               out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.max_pool2d(v["x"], **_window(a)),)),
+             lambda a, v: (ref.max_pool2d(v["x"], *_window(a).values()),)),
     AnchorOp("avg_pool2d", "pool", ("x",), ("y",), _pool_attrs(_AVG), _pool_infer,
              lambda a, o, e: pool.plan_pool2d("avg", o["x"], **_window(a), **_avg(a), epilogue=e.steps,
                                               params=e.params, out_dtype=e.out_dtype, out_align=e.out_align,
@@ -284,13 +296,14 @@ register(
                                 None)],
              lambda a, o, e: pool.plan_pool2d_backward("max", o["dy"], o["x"].shape, **_window(a), x=o["x"],
                                                        dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.max_pool2d_backward(v["dy"], v["x"], **_window(a)),), epilogue=False, check=_pooled),
+             lambda a, v: (ref.max_pool2d_backward(v["dy"], v["x"], *_window(a).values()),), epilogue=False,
+             check=_pooled),
     AnchorOp("avg_pool2d_backward", "pool", ("dy", "x"), ("dx",), _pool_attrs(_AVG),
              lambda a, m: [Meta(m["x"].dims, pool.packed_strides(m["x"].dims, pool.layout_of(_operand_meta(m["x"]))),
                                 None)],
              lambda a, o, e: pool.plan_pool2d_backward("avg", o["dy"], o["x"].shape, **_window(a), **_avg(a),
                                                        dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"].shape, a["kernel"], a["stride"], a["padding"],
+             lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"], a["kernel"], a["stride"], a["padding"],
                                                    a["ceil_mode"], **_avg(a)),), epilogue=False, check=_pooled),
 )
 
@@ -311,10 +324,6 @@ def _norm_plan(kind: str, stats: bool):
     return make
 
 
-def _residual(v):
-    return v["x"] + v["residual"] if "residual" in v else v["x"]
-
-
 def _norm_rows(kind: str, eps: float):
     affine = ("x", "gamma?", "beta?", "residual?") if kind == "layer" else ("x", "gamma?", "residual?")
     attrs = (("normalized_ndim", 1, rules.integer(1)), ("eps", eps, _EPS))
@@ -322,8 +331,8 @@ def _norm_rows(kind: str, eps: float):
 
     def reference(a, v, stats):
         extra = {"beta": v.get("beta")} if kind == "layer" else {}
-        out = forward(_residual(v), a["normalized_ndim"], gamma=v.get("gamma"), eps=a["eps"], return_stats=stats,
-                      **extra)
+        out = forward(v["x"], gamma=v.get("gamma"), eps=a["eps"], normalized_ndim=a["normalized_ndim"],
+                      residual=v.get("residual"), return_stats=stats, **extra)
         return out if stats else (out,)
 
     stats = ("mean", "rstd") if kind == "layer" else ("rstd",)
@@ -347,7 +356,7 @@ def _softmax_row(log: bool) -> AnchorOp:
                                                       causal=a["causal"], epilogue=e.steps, params=e.params,
                                                       out_dtype=e.out_dtype, out_align=e.out_align, arch=e.arch,
                                                       tile=e.tile),
-                    lambda a, v: (getattr(ref, name)(v["x"], a["axis"], v.get("mask"), a["causal"]),),
+                    lambda a, v: (getattr(ref, name)(v["x"], a["axis"], mask=v.get("mask"), causal=a["causal"]),),
                     check=_along("x"))
 
 
@@ -374,7 +383,8 @@ register(
              lambda a, o, e: norm.plan_layer_norm_backward(o["dy"], o["x"], a["normalized_ndim"], mean=o["mean"],
                                                            rstd=o["rstd"], gamma=o["gamma"], beta=o["beta"],
                                                            dx_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: ref.layer_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
+             lambda a, v: ref.layer_norm_backward(v["dy"], v["x"], v["mean"], v["rstd"], v["gamma"], v["beta"],
+                                                   normalized_ndim=a["normalized_ndim"]),
              epilogue=False, check=_rows(stats=("mean", "rstd"))),
     AnchorOp("rms_norm_backward", "norm", ("dy", "x", "rstd", "gamma"), ("dx", "dgamma"),
              (("normalized_ndim", 1, rules.integer(1)), ("eps", 1e-6, _EPS)),
@@ -382,7 +392,8 @@ register(
              lambda a, o, e: norm.plan_rms_norm_backward(o["dy"], o["x"], a["normalized_ndim"], rstd=o["rstd"],
                                                          gamma=o["gamma"], dx_dtype=e.out_dtype,
                                                          out_align=e.out_align, tile=e.tile),
-             lambda a, v: ref.rms_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
+             lambda a, v: ref.rms_norm_backward(v["dy"], v["x"], v["rstd"], v["gamma"],
+                                                 normalized_ndim=a["normalized_ndim"]),
              epilogue=False, check=_rows(stats=("rstd",))),
     _softmax_row(False), _softmax_row(True), _softmax_backward_row(False), _softmax_backward_row(True),
 )
@@ -423,7 +434,7 @@ register(
     AnchorOp("matmul", "matmul", ("a", "b", "bias?", "residual?", "scale_a?", "scale_b?", "scale_out?"), ("y",),
              _MATMUL_ATTRS,
              lambda a, m: [_packed(matmul.output_shape(m["a"].dims, m["b"].dims))], _matmul_plan,
-             lambda a, v: (ref.matmul(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
+             lambda a, v: (ref.matmul_chain(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
                                       beta=a["beta"], residual=v.get("residual"), scale_a=_scale(v, "scale_a"),
                                       scale_b=_scale(v, "scale_b"),
                                       scale_out=_scale(v, "scale_out") if "scale_out" in v else None),),

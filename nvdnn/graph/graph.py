@@ -204,17 +204,12 @@ class Graph:
         when it has several. ``outs``: (uid, name) per output, to rebuild a described graph."""
         schema = ANCHORS[op]
         node_name = self._node_name(op, name)
-        roles, tensors = [], []
-        for role in schema.roles:
-            t = inputs.get(role)
-            if t is None:
-                if role in schema.required:
-                    raise ValidationError(f"node '{node_name}' ({op}): needs a tensor for '{role}'", arg=role)
-                continue
+        given = schema.given(inputs, f"node '{node_name}' ({op})")
+        for role, t in given.items():
             if not isinstance(t, Tensor) or t.graph is not self:
                 raise ValidationError(f"node '{node_name}' ({op}): '{role}' is not a tensor of graph '{self.name}'",
                                       arg=role)
-            roles.append(role), tensors.append(t)
+        roles, tensors = list(given), list(given.values())
         attrs = schema.attributes(attrs, f"node '{node_name}' ({op})")
         try:
             metas = schema.output_metas(attrs, {r: Meta(t.dims, t.strides, t.data_type)
