@@ -37,8 +37,6 @@ class _Prepared(NamedTuple):
 
 _PREPARED: dict[tuple, _Prepared] = {}
 _GRAPHS: dict[tuple, Graph] = {}
-# kernel op -> graph op (the reversed ops exist for scalar-first calls such as sub(1.0, x))
-_GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
 
 
 def _signature(x):
@@ -65,7 +63,7 @@ def _graph_for(steps, xs, names, out_dtype, params, device, out_align) -> Graph:
         tensors = [graph.tensor_like(x, name=n) for x, n in zip(xs, names)]
         value, slots = tensors[0], iter(params)
         for number, (op, rhs) in enumerate(steps):
-            name = _GRAPH_OP.get(op, op)
+            name = checks.GRAPH_OP.get(op, op)
             last = {"name": f"step{number}", "out_name": "out"} if number == len(steps) - 1 else {}
             if rhs == "":
                 taken = tuple(next(slots) for _ in pointwise.OPS[op].params)

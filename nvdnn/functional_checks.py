@@ -18,8 +18,9 @@ from .graph.rules import SCALAR, check_extent
 from .graph.tensor import contiguous_strides
 from .kernels import pointwise
 
-# kernel op -> graph op, whose row holds the parameter rules
-GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power", "gelu_tanh": "gelu_tanh"}
+# kernel op -> graph op, whose row holds the parameter rules (the reversed ops exist for
+# scalar-first calls such as sub(1.0, x))
+GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
 
 
 class ArrayMeta(NamedTuple):
@@ -38,9 +39,9 @@ def describe(x, role: str, *, typed: bool = True) -> ArrayMeta:
                               f"got {type(x).__name__}", arg=role)
     shape = tuple(int(s) for s in shape)
     if isinstance(getattr(x, "dtype", None), np.dtype):
-        kind = dtypes.of_array(x, arg=role).name if typed and x.dtype != np.uint8 else None
         if typed and x.dtype == np.uint8:
             raise DTypeError(f"{role}: a uint8 array; this call takes {', '.join(pointwise.DTYPES)}", arg=role)
+        kind = dtypes.of_array(x, arg=role).name if typed else None
         strides = tuple(s // x.itemsize for s in x.strides)
     else:  # a DLPack object (torch, jax ...): its dtype by name where it has one nvdnn knows
         kind = dtypes.BY_NAME.get(str(getattr(x, "dtype", "")).rsplit(".", 1)[-1])

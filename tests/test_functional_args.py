@@ -142,8 +142,6 @@ def test_bad_arguments_raise_the_named_error_on_every_machine(name, label, args,
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_good_arguments_run_or_say_there_is_no_gpu(name):
     args, kwargs = _good(name)
-    if name == "batch_norm" and HAS_GPU:
-        kwargs = {}
     if HAS_GPU:
         getattr(nvdnn, name)(*args, **kwargs)
         return

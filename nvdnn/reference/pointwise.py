@@ -1,6 +1,7 @@
 """Float64 references of the pointwise ops, the activations and fused chains."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -30,14 +31,26 @@ def exp(x):
     return np.exp(_f64(x))
 
 
+def _quiet(fn):
+    """Outside an op's domain the result is inf or NaN, silently, as in PyTorch: no NumPy warnings."""
+    @functools.wraps(fn)
+    def wrapper(*args):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return fn(*args)
+    return wrapper
+
+
+@_quiet
 def log(x):
     return np.log(_f64(x))
 
 
+@_quiet
 def sqrt(x):
     return np.sqrt(_f64(x))
 
 
+@_quiet
 def rsqrt(x):
     return 1.0 / np.sqrt(_f64(x))
 
@@ -94,6 +107,7 @@ def mul(a, b):
     return _f64(a) * _f64(b)
 
 
+@_quiet
 def div(a, b):
     return _f64(a) / _f64(b)
 
@@ -106,6 +120,7 @@ def minimum(a, b):
     return np.minimum(_f64(a), _f64(b))
 
 
+@_quiet
 def power(a, b):
     return np.power(_f64(a), _f64(b))
 
