@@ -23,6 +23,7 @@ DATA_TYPES = ("float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "i
 JUNK = (None, "x", "1", "no", "col", "row", "tf32", "fast", 0, 1, 2, 3, -1, -2, 0.0, 0.5, 1.0, 2.0, -1.0, 1e-5,
         math.nan, math.inf, -math.inf, True, False, np.int64(2), np.float32(1.5), np.bool_(True), (), (1,), (0, 1),
         (2, 2), (1, 2, 3), [0, -1], (0.0,), ("a",), ((1,),), 2 ** 31, 2 ** 40, 2 ** 63, -2 ** 63, {"a": 1}, b"x")
+UNARY = tuple(name for name, schema in SCHEMAS.items() if schema.arity == 1)
 HUGE = (2 ** 30, 2 ** 31, 2 ** 40, 2 ** 62, 2 ** 63)
 
 _SETTINGS = dict(max_examples=N_GRAPHS, deadline=None, derandomize=True, database=None,
@@ -103,6 +104,9 @@ def _one_graph(data):
     op = data.draw(st.sampled_from(OPS))
     g = nvdnn.Graph(io_data_type=data.draw(st.sampled_from(DATA_TYPES[:3])), arch="sm_90", name="fuzz")
     out = _pointwise_node(data, g, op) if op in SCHEMAS else _anchor_node(data, g, op)
+    then = data.draw(st.sampled_from((None,) * 3 + UNARY))
+    if then is not None and not isinstance(out, tuple):  # a unary op after it: fusion's epilogue
+        out = g._op(then, (out,), tuple(default for _, default, *_ in SCHEMAS[then].params))
     for t in out if isinstance(out, tuple) else (out,):
         t.set_output(True)
     g.validate().build_operation_graph().create_execution_plans().check_support()

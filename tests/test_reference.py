@@ -73,6 +73,12 @@ def test_numpy_backend_handles_0d_results_and_takes_float64_outputs_unrounded():
     y = g.amax(x, name="y").set_output(True)
     g.execute({x: np.array([1.0, -3.0, 2.0, 0.5], np.float32), y: out}, backend="numpy")
     assert out == 3.0
+    for op in ("gelu", "silu", "exp", "neg"):  # a pointwise op on a 0-d value (a full reduction's)
+        g = nvdnn.Graph(arch="sm_90")
+        x = g.tensor(dims=[4], name="x")
+        y = getattr(g, op)(g.mean(x), name="y").set_output(True)
+        g.execute({x: np.full(4, 0.5, np.float32), y: out}, backend="numpy")
+        assert out == np.float32(getattr(ref, op)(0.5))
 
 
 # -- nvdnn.reference.<op> takes nvdnn.<op>'s arguments ----------------------------------------------

@@ -702,7 +702,7 @@ class Graph:
                 results = ANCHORS[node.op].reference(dict(node.attrs), dict(zip(node.roles, args)))
                 values.update((t.uid, np.asarray(r)) for t, r in zip(node.outputs, results))
             else:
-                values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
+                values[node.output.uid] = np.asarray(SCHEMAS[node.op].reference(*args, *node.params))
         for t, target in zip(self._io, bound):
             if t.producer is None:
                 continue

@@ -66,7 +66,7 @@ def gelu(x, approximate="none"):
     if approximate == "tanh":
         # 0.5 x (1 + tanh u) = x / (1 + e^(-2u)), with no cancellation in the negative tail
         return x * np.exp(-np.logaddexp(0.0, -2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
+    return 0.5 * x * (1.0 + np.asarray(_erf(x / math.sqrt(2.0)), dtype=np.float64))  # 0-d: frompyfunc gives a float
 
 
 def sigmoid(x):
