@@ -209,9 +209,7 @@ _GELU = {"none": "gelu", "tanh": "gelu_tanh"}
 
 def gelu(x, approximate="none", *, out=None, dtype=None):
     """x * Phi(x) (``approximate="none"``, erf) or its tanh approximation (``"tanh"``)."""
-    op = _GELU.get(approximate)
-    if op is None:
-        raise ValidationError(f"approximate: {approximate!r} is not 'none' or 'tanh'", arg="approximate")
+    op = checks.choice(_GELU, approximate, "approximate")
     return _run(((op, ""),), (x,), ("x",), (), out, dtype)
 
 
@@ -267,13 +265,8 @@ def bias_act(x, bias, activation=None, *, layout="NCHW", out=None, dtype=None, s
     the last axis for ``"NHWC"``. Activation parameters go as keywords
     (``bias_act(x, b, "relu", layout="NHWC", negative_slope=0.1)``).
     """
-    op = ACTIVATIONS.get("identity" if activation is None else activation)
-    if op is None:
-        raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
-                              arg="activation")
-    axis = LAYOUTS.get(layout)
-    if axis is None:
-        raise ValidationError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}", arg="layout")
+    op = checks.choice(ACTIVATIONS, "identity" if activation is None else activation, "activation")
+    axis = checks.choice(LAYOUTS, layout, "layout")
     shape, bias_shape = checks.describe(x, "x").shape, checks.describe(bias, "bias").shape
     if len(shape) < 2:
         raise ValidationError(f"x: needs a channel axis, got shape {shape}", arg="x")

@@ -34,12 +34,9 @@ def _hashable(value):
 
 def _activation(activation, params):
     """The graph op and its parameter values of a fused activation, or None."""
-    if activation in (None, "identity"):
+    if activation is None or checks.choice(ACTIVATIONS, activation, "activation") == "identity":
         return None
-    op = ACTIVATIONS.get(activation)
-    if op is None:
-        raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
-                              arg="activation")
+    op = ACTIVATIONS[activation]
     values = {k: default for k, default, _ in SCHEMAS[op].params}
     rules = {k: rule for k, _, rule in SCHEMAS[op].params}
     for key, value in params.items():
@@ -143,7 +140,7 @@ def batch_norm(x, running_mean, running_var, gamma=None, beta=None, *, training=
     in place (PyTorch's momentum rule, unbiased variance), returns (y, saved_mean, saved_invstd)
     for ``batch_norm_backward``.
     """
-    if not training:
+    if not checks.flag(training, "batch_norm", "training"):
         return call("batch_norm", {"x": x, "mean": running_mean, "var": running_var, "gamma": gamma, "beta": beta},
                     {"eps": eps}, activation=activation, activation_params=activation_params, out=out,
                     dtype=dtype, stream=stream)
@@ -265,7 +262,7 @@ def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, resi
     """``activation((h - mean) / sqrt(var + eps) * gamma + beta)`` over the last
     ``normalized_ndim`` dims (default: gamma's rank, else 1), h = x + residual when given (one
     kernel). ``return_stats``: also the float32 mean and rstd per row, for the backward."""
-    op = "layer_norm_training" if return_stats else "layer_norm"
+    op = "layer_norm_training" if checks.flag(return_stats, "layer_norm", "return_stats") else "layer_norm"
     return call(op, {"x": x, "gamma": gamma, "beta": beta, "residual": residual},
                 {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
@@ -275,7 +272,7 @@ def rms_norm(x, gamma=None, *, eps=1e-6, normalized_ndim=None, residual=None, ac
              out=None, dtype=None, stream=None, **activation_params):
     """``activation(h / sqrt(mean(h**2) + eps) * gamma)`` over the last ``normalized_ndim`` dims,
     h = x + residual when given. ``return_stats``: also the float32 rstd per row."""
-    op = "rms_norm_training" if return_stats else "rms_norm"
+    op = "rms_norm_training" if checks.flag(return_stats, "rms_norm", "return_stats") else "rms_norm"
     return call(op, {"x": x, "gamma": gamma, "residual": residual},
                 {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)

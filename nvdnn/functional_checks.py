@@ -14,7 +14,7 @@ from . import dtypes
 from .errors import DeviceError, DTypeError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
-from .graph.rules import SCALAR, check_extent
+from .graph.rules import FLAG, SCALAR, check_extent
 from .graph.tensor import contiguous_strides
 from .kernels import pointwise
 
@@ -49,6 +49,18 @@ def describe(x, role: str, *, typed: bool = True) -> ArrayMeta:
         strides = contiguous_strides(shape)
     check_extent(role, shape or (1,), strides or (1,))
     return ArrayMeta(shape, strides, kind)
+
+
+def choice(table: dict, value, name: str):
+    """``table[value]`` for a named option (activation, layout, approximate); anything else is an
+    error listing the choices."""
+    if not isinstance(value, str) or value not in table:
+        raise ValidationError(f"{name}: {value!r} is not one of {', '.join(table)}", arg=name)
+    return table[value]
+
+
+def flag(value, where: str, name: str) -> bool:
+    return FLAG.check(value, where, name)
 
 
 def _allowed(meta: ArrayMeta, role: str, allowed) -> None:

@@ -8,6 +8,7 @@ import inspect
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import nvdnn
 from nvdnn.errors import DeviceError, DTypeError, NvdnnError, ValidationError
@@ -149,3 +150,34 @@ def test_good_arguments_run_or_say_there_is_no_gpu(name):
         getattr(nvdnn, name)(*args, **kwargs)
     text = str(caught.value)
     assert "no usable GPU" in text and "nvdnn.reference" in text and "backend='numpy'" in text
+
+
+# -- random bad arguments: an nvdnn error or a result, never another exception ------------------------
+
+JUNK = (None, "x", "no", 0, -1, 2, 2.5, -1.0, float("nan"), float("inf"), True, (), (1,), (0, 0), [[1]], {"a": 1},
+        np.float64(1.0), np.ones(3), np.ones((2, 2)), f32(3), np.ones(2, np.int8), "float64", "relu", b"x")
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_bad_arguments_raise_only_nvdnn_errors(data):
+    name = data.draw(st.sampled_from(ENTRY_POINTS))
+    args, kwargs = _good(name)
+    args = list(args)
+    names = [p for p in inspect.signature(getattr(nvdnn, name)).parameters.values()
+             if p.kind is not p.VAR_KEYWORD and p.name != "stream"]
+    for _ in range(data.draw(st.integers(1, 2))):
+        param = data.draw(st.sampled_from(names))
+        value = data.draw(st.sampled_from(JUNK))
+        position = [p.name for p in names].index(param.name)
+        if param.kind is param.VAR_POSITIONAL:
+            args.append(value)
+        elif position < len(args) and param.kind is not param.KEYWORD_ONLY:
+            args[position] = value
+        else:
+            kwargs[param.name] = value
+    try:
+        getattr(nvdnn, name)(*args, **kwargs)
+    except NvdnnError:
+        pass
