@@ -14,7 +14,7 @@ from . import dtypes
 from .errors import DeviceError, DTypeError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
-from .graph.rules import FLAG, SCALAR, check_extent
+from .graph.rules import FLAG, SCALAR, check_dims, check_extent
 from .graph.tensor import contiguous_strides
 from .kernels import pointwise
 
@@ -120,6 +120,8 @@ def check_chain(steps, inputs, names, params, out, dtype) -> None:
     for value, (op, name, rule) in zip(params, rules):
         rule.check(value, op, name)
     shape = pointwise.broadcast_shape([m.shape for m in metas], list(names))
+    if not shape:  # only 0-d inputs: the graph the call runs through takes one or more dims
+        check_dims(f"tensor '{names[0]}'", shape)
     _check_out(out, shape, pointwise.DTYPES)
     result_dtype(dtype)
 
@@ -132,6 +134,7 @@ def check_anchor(op: str, inputs: dict, attrs: dict, out, dtype) -> None:
     metas = {}
     for role, value in schema.given(inputs, op, "an array").items():
         meta = describe(value, role)
+        check_dims(f"tensor '{role}'", meta.shape)  # as the graph the call runs through
         _allowed(meta, role, allowed)
         metas[role] = Meta(meta.shape, meta.strides, meta.dtype)
     attrs = schema.attributes(attrs, op)

@@ -70,9 +70,12 @@ STEPS = [("add", "x1"), ("gelu", "")]
 SPECIFIC = {
     "add": [(("args", (ROW, f32(4))), ValidationError, ["does not broadcast"])],
     "power": [(("args", (ROW, f32(3, 16))), ValidationError, ["does not broadcast"])],
+    "abs": [(("args", (np.ones((), np.float32),)), ValidationError, ["tensor 'x'", "dims []"])],
     "sum": [(("kwargs", {"axis": 5}), ValidationError, ["axis 5"])],
     "mean": [(("kwargs", {"axis": 0.0}), ValidationError, ["axes=0.0", "an int"])],
     "prod": [(("kwargs", {"keepdims": "no"}), ValidationError, ["keepdims='no'", "True or False"])],
+    "norm2": [(("args", (f32(4, 0),)), ValidationError, ["dims [4, 0]", ">= 1"]),
+              (("args", (np.ones((), np.float32),)), ValidationError, ["dims []"])],
     "softmax": [(("kwargs", {"axis": 2}), ValidationError, ["axis=2"]),
                 (("kwargs", {"mask": f32(3)}), ValidationError, ["'mask'", "broadcast"])],
     "softplus": [(("args", (ROW, 0.0)), ValidationError, ["beta=0.0", "other than 0"])],

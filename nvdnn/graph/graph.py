@@ -27,7 +27,7 @@ from .. import kernels
 from ..kernels import pointwise
 from .anchors import ANCHORS, Epilogue, Meta
 from .ops import SCHEMAS
-from .rules import SCALAR, check_extent
+from .rules import SCALAR, check_dims, check_extent
 from .tensor import Tensor, contiguous_strides
 
 _STATES = ("new", "validated", "fused", "planned", "supported", "built")
@@ -138,8 +138,7 @@ class Graph:
         if alignment not in (1, 2, 4, 8, 16):
             raise ValidationError(f"{label}: alignment {alignment!r} is not 1, 2, 4, 8 or 16", arg="alignment")
         dims = tuple(dims)
-        if not dims or not all(type(d) is int and d >= 1 for d in dims):
-            raise ValidationError(f"{label}: dims {list(dims)} must be one or more ints >= 1", arg="dims")
+        check_dims(label, dims)
         strides = contiguous_strides(dims) if strides is None else tuple(strides)
         if len(strides) != len(dims) or not all(type(s) is int for s in strides):
             raise ValidationError(f"{label}: strides {list(strides)} must be {len(dims)} ints, one per dim",

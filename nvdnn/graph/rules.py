@@ -135,6 +135,12 @@ AXIS = Rule("an int", _axis)
 SCALAR = real(finite=False)  # a binary op's scalar operand: inf is a value (maximum(x, -inf)), NaN is not
 
 
+def check_dims(label: str, dims) -> None:
+    """A graph tensor's dims (and an anchor call's arrays'): one or more ints >= 1."""
+    if not dims or not all(type(d) is int and d >= 1 for d in dims):
+        raise ValidationError(f"{label}: dims {list(dims)} must be one or more ints >= 1", arg="dims")
+
+
 def check_extent(label: str, dims, strides) -> None:
     """Refuse a tensor whose size or reach would overflow the kernels' int64 offsets."""
     count = math.prod(dims)
