@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, compiler, dtypes
+from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .graph import Graph
 from .kernels import pointwise
@@ -36,8 +37,6 @@ class _Prepared(NamedTuple):
 
 _PREPARED: dict[tuple, _Prepared] = {}
 _GRAPHS: dict[tuple, Graph] = {}
-# kernel op -> graph op (the reversed ops exist for scalar-first calls such as sub(1.0, x))
-_GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
 
 
 def _signature(x):
@@ -64,7 +63,7 @@ def _graph_for(steps, xs, names, out_dtype, params, device, out_align) -> Graph:
         tensors = [graph.tensor_like(x, name=n) for x, n in zip(xs, names)]
         value, slots = tensors[0], iter(params)
         for number, (op, rhs) in enumerate(steps):
-            name = _GRAPH_OP.get(op, op)
+            name = checks.GRAPH_OP.get(op, op)
             last = {"name": f"step{number}", "out_name": "out"} if number == len(steps) - 1 else {}
             if rhs == "":
                 taken = tuple(next(slots) for _ in pointwise.OPS[op].params)
@@ -109,6 +108,8 @@ def elementwise(steps, *inputs, params=(), out=None, dtype=None, stream=None):
 
 
 def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
+    checks.check_chain(steps, inputs, names, params, out, dtype)  # before any device work
+    device = checks.device()
     cp = arrays.cupy()
     xs, back = [], None
     for name, x in zip(names, inputs):
@@ -119,15 +120,11 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
     out_dev = None
     if out is not None:
         out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
-    device = cp.cuda.runtime.getDevice()
     if type(steps) is not tuple:
         steps = tuple(tuple(step) for step in steps)
     key = (steps, dtype, device, len(params), None if out_dev is None else _signature(out_dev),
            *[_signature(x) for x in xs])
-    try:
-        prep = _PREPARED.get(key)
-    except TypeError:  # an unhashable dtype= argument
-        raise DTypeError(f"dtype: {dtype!r} is not a data type", arg="dtype") from None
+    prep = _PREPARED.get(key)
     if prep is None:
         out_dtype = _out_dtype(xs, out_dev, dtype)
         if any(0 in x.shape for x in xs):  # nothing to compute; shapes still have to agree
@@ -212,9 +209,7 @@ _GELU = {"none": "gelu", "tanh": "gelu_tanh"}
 
 def gelu(x, approximate="none", *, out=None, dtype=None):
     """x * Phi(x) (``approximate="none"``, erf) or its tanh approximation (``"tanh"``)."""
-    op = _GELU.get(approximate)
-    if op is None:
-        raise ValidationError(f"approximate: {approximate!r} is not 'none' or 'tanh'", arg="approximate")
+    op = checks.choice(_GELU, approximate, "approximate")
     return _run(((op, ""),), (x,), ("x",), (), out, dtype)
 
 
@@ -270,19 +265,15 @@ def bias_act(x, bias, activation=None, *, layout="NCHW", out=None, dtype=None, s
     the last axis for ``"NHWC"``. Activation parameters go as keywords
     (``bias_act(x, b, "relu", layout="NHWC", negative_slope=0.1)``).
     """
-    op = ACTIVATIONS.get("identity" if activation is None else activation)
-    if op is None:
-        raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
-                              arg="activation")
-    axis = LAYOUTS.get(layout)
-    if axis is None:
-        raise ValidationError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}", arg="layout")
-    if getattr(x, "ndim", 0) < 2:
-        raise ValidationError(f"x: needs a channel axis, got shape {getattr(x, 'shape', None)}", arg="x")
-    channels = x.shape[axis]
-    if getattr(bias, "ndim", None) != 1 or bias.shape[0] != channels:
-        raise ValidationError(f"bias: shape {getattr(bias, 'shape', None)} should be ({channels},), the "
-                              f"channel dim {axis % x.ndim} of x {tuple(x.shape)} in {layout}", arg="bias")
+    op = checks.choice(ACTIVATIONS, "identity" if activation is None else activation, "activation")
+    axis = checks.choice(LAYOUTS, layout, "layout")
+    shape, bias_shape = checks.describe(x, "x").shape, checks.describe(bias, "bias").shape
+    if len(shape) < 2:
+        raise ValidationError(f"x: needs a channel axis, got shape {shape}", arg="x")
+    channels = shape[axis]
+    if bias_shape != (channels,):
+        raise ValidationError(f"bias: shape {bias_shape} should be ({channels},), the channel dim "
+                              f"{axis % len(shape)} of x {shape} in {layout}", arg="bias")
     spec = pointwise.OPS[op]
     unknown = set(params) - {p for p, _ in spec.params}
     if unknown:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, compiler, dtypes
+from . import functional_checks as checks
 from .errors import ValidationError
 from .functional import ACTIVATIONS, _signature
 from .graph import Graph
@@ -33,17 +34,16 @@ def _hashable(value):
 
 def _activation(activation, params):
     """The graph op and its parameter values of a fused activation, or None."""
-    if activation in (None, "identity"):
+    if activation is None or checks.choice(ACTIVATIONS, activation, "activation") == "identity":
         return None
-    op = ACTIVATIONS.get(activation)
-    if op is None:
-        raise ValidationError(f"activation: {activation!r} is not one of {', '.join(ACTIVATIONS)}",
-                              arg="activation")
-    values = dict(SCHEMAS[op].params)
+    op = ACTIVATIONS[activation]
+    values = {k: default for k, default, _ in SCHEMAS[op].params}
+    rules = {k: rule for k, _, rule in SCHEMAS[op].params}
     for key, value in params.items():
         if key not in values:
             raise ValidationError(f"{key}: {activation} takes {list(values) or 'no parameters'}", arg=key)
-        values[key] = math.inf if (op == "relu" and key == "clip" and value is None) else value
+        value = math.inf if (op == "relu" and key == "clip" and value is None) else value
+        values[key] = rules[key].check(value, f"activation {activation}", key)
     return op, tuple(values.values())
 
 
@@ -79,13 +79,14 @@ def call(op: str, inputs: dict, attrs: dict | None = None, *, activation=None, a
          out=None, dtype=None, stream=None):
     """Run anchor op ``op`` on ``inputs`` (role -> array or None); its outputs (a tuple when it
     has several). ``out`` receives the main output; ``dtype`` its data type."""
-    cp = arrays.cupy()
     attrs = {k: _hashable(v) for k, v in (attrs or {}).items()}
+    checks.check_anchor(op, inputs, attrs, out, dtype)  # before any device work
     act = _activation(activation, activation_params or {})
+    dtype = checks.result_dtype(dtype, tuple(dtypes.BY_NAME))
+    device = checks.device()
+    cp = arrays.cupy()
     xs, back = arrays.all_to_device(inputs)
     out_dev = None if out is None else (out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0])
-    device = cp.cuda.runtime.getDevice()
-    dtype = None if dtype is None else dtypes.dtype(dtype, arg="dtype").name
     key = (op, tuple(sorted(attrs.items())), act, dtype, device,
            None if out_dev is None else _signature(out_dev), *[(r, _signature(a)) for r, a in xs.items()])
     built = _BUILT.get(key)
@@ -108,14 +109,9 @@ def call(op: str, inputs: dict, attrs: dict | None = None, *, activation=None, a
 
 # -- reductions -----------------------------------------------------------------------------------
 
-def _axes(axis):
-    return None if axis is None else (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-
-
 def _reduction(op: str, summary: str):
     def fn(x, axis=None, keepdims=False, *, dtype=None, out=None, stream=None):
-        return call(op, {"x": x}, {"axes": _axes(axis), "keepdims": bool(keepdims)}, out=out, dtype=dtype,
-                    stream=stream)
+        return call(op, {"x": x}, {"axes": axis, "keepdims": keepdims}, out=out, dtype=dtype, stream=stream)
 
     fn.__name__ = fn.__qualname__ = op
     fn.__doc__ = (f"{summary} over ``axis`` (an int, a tuple, or None for all), accumulated in float32; "
@@ -144,9 +140,9 @@ def batch_norm(x, running_mean, running_var, gamma=None, beta=None, *, training=
     in place (PyTorch's momentum rule, unbiased variance), returns (y, saved_mean, saved_invstd)
     for ``batch_norm_backward``.
     """
-    if not training:
+    if not checks.flag(training, "batch_norm", "training"):
         return call("batch_norm", {"x": x, "mean": running_mean, "var": running_var, "gamma": gamma, "beta": beta},
-                    {"eps": float(eps)}, activation=activation, activation_params=activation_params, out=out,
+                    {"eps": eps}, activation=activation, activation_params=activation_params, out=out,
                     dtype=dtype, stream=stream)
     return _batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, eps, activation,
                                 activation_params, out, dtype, stream)
@@ -163,12 +159,12 @@ def _batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, ep
     from .kernels import batchnorm
     from .kernels.pointwise import Operand
     cp = arrays.cupy()
-    given = {"x": x, "gamma": gamma, "beta": beta, "running_mean": running_mean, "running_var": running_var}
-    for role, value in given.items():
-        if isinstance(value, np.ndarray) and role.startswith("running"):
-            raise ValidationError(f"{role}: updated in place, so it must be a device array, not NumPy", arg=role)
-    xs, back = arrays.all_to_device(given)
+    checks.check_batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, eps)
     act = _activation(activation, activation_params)
+    dtype = checks.result_dtype(dtype)
+    checks.device()
+    given = {"x": x, "gamma": gamma, "beta": beta, "running_mean": running_mean, "running_var": running_var}
+    xs, back = arrays.all_to_device(given)
     steps = () if act is None else ((SCHEMAS[act[0]].kernel_op, ""),)
     params = () if act is None else act[1]
     key = (tuple((r, _signature(a)) for r, a in xs.items()), float(momentum), float(eps), steps, params, dtype)
@@ -199,14 +195,14 @@ def batch_norm_backward(dy, x, saved_mean, saved_invstd, gamma, *, dtype=None, s
 def group_norm(x, groups, gamma=None, beta=None, *, eps=1e-5, activation=None, out=None, dtype=None, stream=None,
                **activation_params):
     """Normalize x (N, C, ...) over (C / groups, spatial) per sample and group; gamma, beta per channel."""
-    return call("group_norm", {"x": x, "gamma": gamma, "beta": beta}, {"groups": int(groups), "eps": float(eps)},
+    return call("group_norm", {"x": x, "gamma": gamma, "beta": beta}, {"groups": groups, "eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
 def instance_norm(x, gamma=None, beta=None, *, eps=1e-5, activation=None, out=None, dtype=None, stream=None,
                   **activation_params):
     """Normalize x (N, C, ...) over its spatial dims per sample and channel."""
-    return call("instance_norm", {"x": x, "gamma": gamma, "beta": beta}, {"eps": float(eps)},
+    return call("instance_norm", {"x": x, "gamma": gamma, "beta": beta}, {"eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
@@ -214,7 +210,7 @@ def instance_norm(x, gamma=None, beta=None, *, eps=1e-5, activation=None, out=No
 
 def _window(kernel_size, stride, padding, dilation, ceil_mode) -> dict:
     return {"kernel": _hashable(kernel_size), "stride": _hashable(stride), "padding": _hashable(padding),
-            "dilation": _hashable(dilation), "ceil_mode": bool(ceil_mode)}
+            "dilation": _hashable(dilation), "ceil_mode": ceil_mode}
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, *, activation=None, out=None,
@@ -228,7 +224,7 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_in
                divisor_override=None, *, activation=None, out=None, dtype=None, stream=None):
     """Mean over each window of x (N, C, H, W), NCHW or NHWC, as PyTorch's avg_pool2d."""
     return call("avg_pool2d", {"x": x}, {**_window(kernel_size, stride, padding, 1, ceil_mode),
-                                         "count_include_pad": bool(count_include_pad),
+                                         "count_include_pad": count_include_pad,
                                          "divisor_override": divisor_override},
                 activation=activation, out=out, dtype=dtype, stream=stream)
 
@@ -249,16 +245,16 @@ def avg_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, ceil_mode=Fa
                         divisor_override=None, *, dtype=None, stream=None):
     """dL/dx of avg_pool2d from dL/dy (x gives the input's shape and layout)."""
     return call("avg_pool2d_backward", {"dy": dy, "x": x},
-                {**_window(kernel_size, stride, padding, 1, ceil_mode), "count_include_pad": bool(count_include_pad),
+                {**_window(kernel_size, stride, padding, 1, ceil_mode), "count_include_pad": count_include_pad,
                  "divisor_override": divisor_override}, dtype=dtype, stream=stream)
 
 
 # -- layer / RMS norm and softmax -----------------------------------------------------------------
 
-def _normalized(x, gamma, normalized_ndim) -> int:
+def _normalized(x, gamma, normalized_ndim):
     if normalized_ndim is not None:
-        return int(normalized_ndim)
-    return getattr(gamma, "ndim", 1) if gamma is not None else 1
+        return normalized_ndim
+    return len(getattr(gamma, "shape", (None,))) if gamma is not None else 1
 
 
 def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, residual=None, activation=None,
@@ -266,9 +262,9 @@ def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, resi
     """``activation((h - mean) / sqrt(var + eps) * gamma + beta)`` over the last
     ``normalized_ndim`` dims (default: gamma's rank, else 1), h = x + residual when given (one
     kernel). ``return_stats``: also the float32 mean and rstd per row, for the backward."""
-    op = "layer_norm_training" if return_stats else "layer_norm"
+    op = "layer_norm_training" if checks.flag(return_stats, "layer_norm", "return_stats") else "layer_norm"
     return call(op, {"x": x, "gamma": gamma, "beta": beta, "residual": residual},
-                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": float(eps)},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
@@ -276,9 +272,9 @@ def rms_norm(x, gamma=None, *, eps=1e-6, normalized_ndim=None, residual=None, ac
              out=None, dtype=None, stream=None, **activation_params):
     """``activation(h / sqrt(mean(h**2) + eps) * gamma)`` over the last ``normalized_ndim`` dims,
     h = x + residual when given. ``return_stats``: also the float32 rstd per row."""
-    op = "rms_norm_training" if return_stats else "rms_norm"
+    op = "rms_norm_training" if checks.flag(return_stats, "rms_norm", "return_stats") else "rms_norm"
     return call(op, {"x": x, "gamma": gamma, "residual": residual},
-                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": float(eps)},
+                {"normalized_ndim": _normalized(x, gamma, normalized_ndim), "eps": eps},
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
@@ -298,21 +294,21 @@ def softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream
     """exp(t - max) / sum along ``axis``, t = x + ``mask`` (additive, broadcast to x). ``causal``:
     viewing the last two dims as (Sq, Sk), position (i, j) is masked where j > i + Sk - Sq; a
     fully masked row gives zeros."""
-    return call("softmax", {"x": x, "mask": mask}, {"axis": int(axis), "causal": bool(causal)}, out=out,
+    return call("softmax", {"x": x, "mask": mask}, {"axis": axis, "causal": causal}, out=out,
                 dtype=dtype, stream=stream)
 
 
 def log_softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream=None):
     """log(softmax(x)) along ``axis``, computed stably; masking as ``softmax``."""
-    return call("log_softmax", {"x": x, "mask": mask}, {"axis": int(axis), "causal": bool(causal)}, out=out,
+    return call("log_softmax", {"x": x, "mask": mask}, {"axis": axis, "causal": causal}, out=out,
                 dtype=dtype, stream=stream)
 
 
 def softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
     """dx = y * (dy - sum(dy * y)) from softmax's output y."""
-    return call("softmax_backward", {"dy": dy, "y": y}, {"axis": int(axis)}, dtype=dtype, stream=stream)
+    return call("softmax_backward", {"dy": dy, "y": y}, {"axis": axis}, dtype=dtype, stream=stream)
 
 
 def log_softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
     """dx = dy - exp(y) * sum(dy) from log_softmax's output y."""
-    return call("log_softmax_backward", {"dy": dy, "y": y}, {"axis": int(axis)}, dtype=dtype, stream=stream)
+    return call("log_softmax_backward", {"dy": dy, "y": y}, {"axis": axis}, dtype=dtype, stream=stream)

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from . import arrays, dtypes, launcher
+from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .functional import _signature
 from .functional_anchors import _activation
@@ -43,21 +44,6 @@ def _check_out(out, kind: str, xs: dict) -> None:
                                   arg="out")
 
 
-def _declared(x, declared, name: str) -> str:
-    """The data type of ``x``: its own, or a declared fp8 type for a uint8 array."""
-    if declared is None:
-        if x.dtype == np.uint8:
-            raise DTypeError(f"{name}: a uint8 array; declare its fp8 type with {name}_dtype='float8_e4m3' or "
-                             "'float8_e5m2'", arg=name)
-        return dtypes.of_array(x, arg=name).name
-    kind = dtypes.dtype(declared, arg=f"{name}_dtype").name
-    if kind in family.FP8 and x.dtype != np.uint8 and x.dtype.itemsize != 1:
-        raise DTypeError(f"{name}: declared {kind} but the array holds {x.dtype} (fp8 travels as uint8)", arg=name)
-    if kind not in family.FP8 and dtypes.of_array(x, arg=name).name != kind:
-        raise DTypeError(f"{name}: declared {kind} but the array holds {x.dtype}", arg=name)
-    return kind
-
-
 def _operand(x, kind: str) -> Operand:
     return Operand(kind, tuple(x.shape), tuple(s // x.itemsize for s in x.strides), arrays.alignment(x.data.ptr))
 
@@ -88,16 +74,20 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     of K with ``precision="fast"`` (PyTorch's ``_scaled_mm(use_fast_accum=True)``).
     ``amax``: a one-element float32 device array receiving max |y| before quantization.
     """
+    checks.check_matmul(a, b, bias, residual, a_dtype, b_dtype,
+                        {"scale_a": scale_a, "scale_b": scale_b, "scale_out": scale_out, "amax": amax}, out, dtype,
+                        bias_axis, alpha, 1.0 if beta is None else beta, precision)  # before any device work
+    act = _activation(activation, activation_params)
+    device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"a": a, "b": b, "bias": bias, "residual": residual})
-    kinds = {"a": _declared(xs["a"], a_dtype, "a"), "b": _declared(xs["b"], b_dtype, "b")}
+    kinds = {"a": checks.declared(xs["a"], a_dtype, "a"), "b": checks.declared(xs["b"], b_dtype, "b")}
     for role in ("bias", "residual"):
         if role in xs:
             kinds[role] = dtypes.of_array(xs[role], arg=role).name
     fp8 = kinds["a"] in family.FP8
     scales = {"scale_a": _scalar(scale_a, "scale_a"), "scale_b": _scalar(scale_b, "scale_b"),
               "scale_out": _scalar(scale_out, "scale_out"), "amax": _scalar(amax, "amax")}
-    device = cp.cuda.runtime.getDevice()
     if fp8 and (scales["scale_a"] is None or scales["scale_b"] is None):
         one = _one(cp, device)
         scales["scale_a"] = scales["scale_a"] if scales["scale_a"] is not None else one
@@ -105,12 +95,11 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     if not fp8 and (scale_a is not None or scale_b is not None):
         raise ValidationError("scale_a: descale factors go with fp8 inputs", arg="scale_a")
     out_kind = dtypes.dtype(dtype, arg="dtype").name if dtype is not None else (
-        _declared(out, None, "out") if out is not None and out.dtype != np.uint8 else None)
+        checks.declared(out, None, "out") if out is not None and out.dtype != np.uint8 else None)
     if out_kind in family.FP8 and scales["scale_out"] is None:
         scales["scale_out"] = _one(cp, device)
     if out_kind not in family.FP8 and scale_out is not None:
         raise ValidationError("scale_out: the output scale goes with an fp8 dtype", arg="scale_out")
-    act = _activation(activation, activation_params)
     steps = () if act is None else ((SCHEMAS[act[0]].kernel_op, ""),)
     params = () if act is None else tuple(act[1])
     if beta is None:

@@ -57,7 +57,7 @@ def test_batch_norm_inference_relu_and_training_backward(dtype, layout):
     poison_pool(shape, dtype)
     y = nvdnn.batch_norm(x, mean, var, gamma, beta, eps=1e-3, activation="relu")
     assert y.strides == x.strides  # the layout is kept
-    check(y, np.maximum(ref.batch_norm(x64, m64, v64, g64, b64, 1e-3), 0), dtype, f"bn+relu {layout}")
+    check(y, np.maximum(ref.batch_norm(x64, m64, v64, g64, b64, eps=1e-3), 0), dtype, f"bn+relu {layout}")
     run_mean, run_var = mean.copy(), var.copy()
     y, saved_mean, saved_invstd = nvdnn.batch_norm(x, run_mean, run_var, gamma, beta, training=True, momentum=0.2)
     want = ref.batch_norm_training(x64, g64, b64, m64, v64, momentum=0.2)

@@ -209,10 +209,10 @@ def reference(case, built, product=None):
     a64, b64 = built["a64"], built["b64"]
     if product is not None:  # a @ I: the reference's epilogue on a product made elsewhere
         a64, b64 = product, None
-    return ref.matmul(a64, b64, v.get("bias"), bias_axis=EPILOGUES[case["epilogue"]][0] or "col",
-                      alpha=alpha, beta=beta, residual=v.get("residual"), activation=act,
-                      scale_a=v.get("scale_a", 1.0), scale_b=v.get("scale_b", 1.0), scale_out=v.get("scale_out"),
-                      return_amax=True)
+    return ref.matmul_chain(a64, b64, v.get("bias"), bias_axis=EPILOGUES[case["epilogue"]][0] or "col",
+                            alpha=alpha, beta=beta, residual=v.get("residual"), activation=act,
+                            scale_a=v.get("scale_a", 1.0), scale_b=v.get("scale_b", 1.0),
+                            scale_out=v.get("scale_out"), return_amax=True)
 
 
 def compare(got, want, kind, what, k):

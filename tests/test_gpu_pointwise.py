@@ -117,7 +117,7 @@ def test_bias_act(activation, layout, dtype):
         b, b64 = random((channels,), dtype)
         out = poisoned(shape, dtype)
         nvdnn.bias_act(x, b, activation, layout=layout, out=out)
-        check(out, ref.bias_act(x64, b64, activation, layout), dtype, f"{activation} {layout} {shape}")
+        check(out, ref.bias_act(x64, b64, activation, layout=layout), dtype, f"{activation} {layout} {shape}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -77,7 +77,7 @@ def _max_forward(x, x64, dtype, layout, window, *, return_indices=False, index_d
     if return_indices:
         tensors["indices"] = _empty(out_shape, index_dtype, layout, fill=-7)
     launcher.run(plan, tensors)
-    want = ref.max_pool2d(x64, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    want = ref.max_pool2d_with_indices(x64, kernel, stride, padding, dilation, ceil_mode)
     return y, tensors.get("indices"), want
 
 
@@ -172,7 +172,7 @@ def test_max_pool_backward(dtype, layout, source):
             continue
         kernel, stride, padding, dilation, ceil_mode = window
         x, x64 = _tensor(shape, dtype, layout)
-        _, idx = ref.max_pool2d(x64, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+        _, idx = ref.max_pool2d_with_indices(x64, kernel, stride, padding, dilation, ceil_mode)
         dy, dy64 = _tensor(idx.shape, dtype, layout)
         tensors = {"dy": dy}
         if source == "indices":
@@ -208,7 +208,8 @@ def test_avg_pool_backward(dtype, layout):
                                              divisor_override=divisor_override)
             dx = _empty(shape, dtype, layout)
             launcher.run(plan, {"dx": dx, "dy": dy})
-            want = ref.avg_pool2d_backward(dy64, shape, kernel, stride, padding, ceil_mode, count_include_pad,
+            x_like = np.broadcast_to(0.0, shape)  # the reference takes x for its shape, as nvdnn's call
+            want = ref.avg_pool2d_backward(dy64, x_like, kernel, stride, padding, ceil_mode, count_include_pad,
                                            divisor_override)
             check(dx, want, dtype, f"avg backward {shape} {window} {layout} pad={count_include_pad}")
 

@@ -177,7 +177,7 @@ def test_batch_norm_inference(layout, dtype):
                                                 operand(beta), eps=1e-3, epilogue=chain, params=params,
                                                 out_dtype=out_dtype, out_align=operand(y).align)
             _run(plan, {"y": y, "x": x, "mean": mean, "var": var, "gamma": gamma, "beta": beta})
-            _close(y, act(ref.batch_norm(x64, m64, v64, g64, b64, 1e-3)), out_dtype, f"bn inference {layout} {shape}",
+            _close(y, act(ref.batch_norm(x64, m64, v64, g64, b64, eps=1e-3)), out_dtype, f"bn inference {layout} {shape}",
                    scale=1.0, acc=1e-5)
 
 
@@ -225,7 +225,7 @@ def test_batch_norm_inference_every_tile(layout, dtype, shape, param, stream):
         plan = bn.plan_batch_norm_inference(*args, eps=1e-3, out_align=operand(y).align, tile=tile, **relu)
         assert plan.launches[0].spec == tile
         _run(plan, {"y": y, "x": x, "mean": mean, "var": var, "gamma": gamma, "beta": beta})
-        _close(y, np.maximum(ref.batch_norm(x64, m64, v64, g64, b64, 1e-3), 0), dtype,
+        _close(y, np.maximum(ref.batch_norm(x64, m64, v64, g64, b64, eps=1e-3), 0), dtype,
                f"bn inference {layout} {shape} {tile.uri}", scale=1.0, acc=1e-5)
 
 
@@ -287,7 +287,7 @@ def test_group_and_instance_norm(layout, dtype):
             plan = bn.plan_group_norm(operand(x), groups, operand(gamma), operand(beta), eps=1e-5, epilogue=chain,
                                       params=params, out_dtype=out, out_align=operand(y).align, save_stats=True)
             _run(plan, {"y": y, "x": x, "gamma": gamma, "beta": beta, **saved})
-            _close(y, act(ref.group_norm(x64, groups, g64, b64, 1e-5)), out, f"group_norm {layout} {shape} G={groups}",
+            _close(y, act(ref.group_norm(x64, groups, g64, b64, eps=1e-5)), out, f"group_norm {layout} {shape} G={groups}",
                    scale=1.0, acc=1e-4)
             grouped = x64.reshape(shape[0], groups, -1)
             _close(saved["saved_mean"], grouped.mean(axis=2), "float32", "group_norm mean", scale=6.0, acc=1e-6)

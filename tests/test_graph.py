@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
@@ -88,6 +89,7 @@ class Builder:
 
     def input(self, dims, name, array, uid=None):
         t = self.g.tensor(dims=dims, name=name, uid=uid)
+        array = array.astype(nvdnn.dtypes.BY_NAME[t.data_type].np)  # execute takes the tensor's own type
         self.inputs.append((t, array))
         self.values[t.uid] = array.astype(np.float64)
         self.pool.append(t)
@@ -242,7 +244,7 @@ def random_graph(data, n_ops=None, mark_outputs=True, name="graph", io=None):
     for i in range(n_inputs):
         dims = shape if i == 0 else broadcast_dims(data, shape)
         low, high = (0.25, 4.0) if positive else (-3.0, 3.0)
-        array = rng.uniform(low, high, size=dims).astype(data.draw(st.sampled_from([np.float32, np.float64])))
+        array = rng.uniform(low, high, size=dims)
         b.input(dims, f"in{i}", array, uid=100 + 7 * i if explicit_uids else None)
     for _ in range(data.draw(st.integers(1, 7)) if n_ops is None else n_ops):
         b.results.append(b.random_op())
@@ -388,7 +390,7 @@ def test_random_valid_graphs_match_direct_numpy(data):
 
     outputs = [t for t in g.tensors.values() if t.producer is not None and not t.is_virtual]
     assert outputs
-    out_dtypes = [data.draw(st.sampled_from([np.float32, np.float64])) for _ in outputs]
+    out_dtypes = [nvdnn.dtypes.BY_NAME[t.data_type].np for t in outputs]
     pack, arrays = pack_for(b, outputs, out_dtypes, data)
     before = [a.copy() for _, a in b.inputs]
     assert g.execute(pack, backend="numpy") is None
@@ -397,11 +399,10 @@ def test_random_valid_graphs_match_direct_numpy(data):
     for t in outputs:
         expected = b.values[t.uid]
         assert np.all(np.isfinite(expected)), t
-        got = arrays[t.uid]
-        if got.dtype == np.float32:
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=t.name)
-        else:
-            np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10, err_msg=t.name)
+        got = arrays[t.uid]  # in the output's type: the float64 value rounded, give or take an ulp
+        rounded = expected.astype(got.dtype).astype(np.float64)
+        np.testing.assert_allclose(got.astype(np.float64), rounded, rtol=2 * float(ml_dtypes.finfo(got.dtype).eps),
+                                   atol=1e-6, err_msg=t.name)
 
     assert g.create_execution_plans() is g and g._state == "planned"
     assert g.check_support() is g and g._state == "supported"
@@ -903,10 +904,10 @@ def test_scalar_binary_is_a_p_step(op, kernel_op):
     g.validate().build_operation_graph()
     assert g.groups[0].steps == [(kernel_op, "p")]
     assert g.groups[0].params == [2.0]
-    xa = np.linspace(0.5, 3.0, 32).reshape(4, 8)
-    ya = np.zeros((4, 8))
+    xa = np.linspace(0.5, 3.0, 32, dtype=np.float32).reshape(4, 8)
+    ya = np.zeros((4, 8), np.float32)
     g.execute({x: xa, g.groups[0].output: ya}, backend="numpy")
-    np.testing.assert_allclose(ya, BINARY[op](xa, 2.0), rtol=1e-15)
+    np.testing.assert_allclose(ya, BINARY[op](xa.astype(np.float64), 2.0), rtol=1e-7)
 
 
 def test_scalar_in_a_chain_keeps_its_slot_order():
@@ -919,10 +920,11 @@ def test_scalar_in_a_chain_keeps_its_slot_order():
     assert group.params == [0.5, 2.0, 3.0]
     spec = g.candidates[0][g.chosen[0]]
     assert spec.n_params == 3
-    xa = np.linspace(-2, 2, 16)
-    ya = np.zeros(16)
+    xa = np.linspace(-2, 2, 16, dtype=np.float32)
+    ya = np.zeros(16, np.float32)
     g.execute({x: xa, y: ya}, backend="numpy")
-    np.testing.assert_allclose(ya, 3.0 * (np.where(xa > 0, xa, 0.5 * np.expm1(xa)) + 2.0), rtol=1e-14)
+    xd = xa.astype(np.float64)
+    np.testing.assert_allclose(ya, 3.0 * (np.where(xd > 0, xd, 0.5 * np.expm1(xd)) + 2.0), rtol=1e-7)
 
 
 @pytest.mark.parametrize("form", ["tensor", "uid", "name", "mixed"])
@@ -940,14 +942,17 @@ def test_variant_pack_keys_may_be_tensors_uids_or_names(form):
     np.testing.assert_allclose(ya, expected, rtol=1e-6, atol=1e-7)
 
 
+def _ones(*shape):
+    return np.ones(shape, np.float32)
+
+
 def test_variant_pack_rejects_a_virtual_or_unknown_key():
     g, x, b, y = _bias_act_graph((3, 4))
     g.validate().build_operation_graph()
     hidden = g.nodes[0].output
     for key, needle in ((hidden, hidden.name), ("nope", "nope"), (12345, "12345")):
         with pytest.raises(ValidationError, match=needle) as info:
-            g.execute({x: np.ones((3, 4)), b: np.ones((1, 4)), y: np.ones((3, 4)), key: np.ones(1)},
-                      backend="numpy")
+            g.execute({x: _ones(3, 4), b: _ones(1, 4), y: _ones(3, 4), key: _ones(1)}, backend="numpy")
         assert info.value.arg == "variant_pack"
 
 
@@ -955,14 +960,14 @@ def test_missing_output_key_names_the_tensor():
     g, x, b, y = _bias_act_graph((3, 4))
     g.validate().build_operation_graph()
     with pytest.raises(ValidationError, match=y.name):
-        g.execute({x: np.ones((3, 4)), b: np.ones((1, 4))}, backend="numpy")
+        g.execute({x: _ones(3, 4), b: _ones(1, 4)}, backend="numpy")
 
 
 def test_missing_input_key_names_the_tensor():
     g, x, b, y = _bias_act_graph((3, 4))
     g.validate().build_operation_graph()
     with pytest.raises(ValidationError, match="'b'"):
-        g.execute({x: np.ones((3, 4)), y: np.ones((3, 4))}, backend="numpy")
+        g.execute({x: _ones(3, 4), y: _ones(3, 4)}, backend="numpy")
 
 
 @pytest.mark.parametrize("done,call,step", [
@@ -1071,8 +1076,8 @@ def test_set_output_after_fusion_is_picked_up():
     h = g.nodes[0].output
     g.validate().build_operation_graph()
     h.set_output(True)
-    ha, ya = np.zeros((3, 4)), np.zeros((3, 4))
-    g.execute({x: np.ones((3, 4)), b: np.full((1, 4), 0.5), h: ha, y: ya}, backend="numpy")
+    ha, ya = np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32)
+    g.execute({x: _ones(3, 4), b: np.full((1, 4), 0.5, np.float32), h: ha, y: ya}, backend="numpy")
     np.testing.assert_allclose(ha, 1.5)
 
 
@@ -1080,8 +1085,8 @@ def test_set_name_after_fusion_is_picked_up():
     g, x, b, y = _bias_act_graph((3, 4))
     g.validate().build_operation_graph()
     y.set_name("result")
-    ya = np.zeros((3, 4))
-    g.execute({"x": np.ones((3, 4)), "b": np.ones((1, 4)), "result": ya}, backend="numpy")
+    ya = np.zeros((3, 4), np.float32)
+    g.execute({"x": _ones(3, 4), "b": _ones(1, 4), "result": ya}, backend="numpy")
     assert ya.any()
 
 

@@ -39,13 +39,13 @@ def weight(dtype, k, n):
 def test_reference_epilogue_order():
     a, b = RNG.standard_normal((2, 5, 7)), RNG.standard_normal((7, 3))
     bias, res = RNG.standard_normal(3), RNG.standard_normal((2, 5, 3))
-    y, amax = ref.matmul(a, b, bias, alpha=0.5, beta=2.0, residual=res, activation="relu", scale_a=3.0,
-                         scale_b=0.25, scale_out=8.0, return_amax=True)
+    y, amax = ref.matmul_chain(a, b, bias, alpha=0.5, beta=2.0, residual=res, activation="relu", scale_a=3.0,
+                               scale_b=0.25, scale_out=8.0, return_amax=True)
     want = np.maximum(0.5 * 0.75 * (a @ b) + bias + 2.0 * res, 0.0)
     assert np.allclose(y, want * 8.0) and math.isclose(amax, np.abs(want).max())
     rows = ref.matmul(a, b, np.arange(5.0), bias_axis="row")
     assert np.allclose(rows, a @ b + np.arange(5.0)[:, None])
-    chained = ref.matmul(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
+    chained = ref.matmul_chain(a, b, epilogue=[("gelu", ""), ("mul", "p")], params=(2.0,))
     assert np.allclose(chained, ref.gelu(a @ b) * 2.0)
     for name in ("gelu_tanh", "silu", "relu", "gelu"):   # the functional API's activation names
         assert np.allclose(ref.matmul(a, b, activation=name), ref.ACTIVATIONS[name](a @ b))
@@ -225,12 +225,12 @@ def test_graph_fuses_bias_gelu_scale_into_the_epilogue():
     g.validate().build_operation_graph().create_execution_plans().check_support()
     assert len(g.groups) == 1 and g.groups[0].steps == [("gelu", ""), ("mul", "p")]
     assert g.candidates[0][0].kernel == "wgmma" and len(g.candidates[0]) > 1
-    xs = RNG.standard_normal((2, 64, 96)).astype(np.float32)
-    ws = RNG.standard_normal((96, 80)).astype(np.float32)
-    bs = RNG.standard_normal(80).astype(np.float32)
-    out = np.empty((2, 64, 80), np.float32)
+    import ml_dtypes
+    xs, ws, bs = (RNG.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((2, 64, 96), (96, 80), 80))
+    out = np.empty((2, 64, 80))  # float64: the reference unrounded
     g.execute({"x": xs, "w": ws, "b": bs, "y": out}, backend="numpy")
-    assert np.allclose(out, ref.gelu(xs @ ws + bs) * 0.5, rtol=1e-5, atol=1e-5)
+    x64, w64, b64 = (a.astype(np.float64) for a in (xs, ws, bs))
+    assert np.allclose(out, ref.gelu(x64 @ w64 + b64) * 0.5, rtol=1e-12, atol=1e-12)
     assert y.dims == (2, 64, 80)
 
 
@@ -289,7 +289,7 @@ def test_graph_takes_fp8_operands_with_their_scales():
     assert (spec.kernel, spec.a_dtype, spec.scaled, spec.out_dtype) == ("wgmma", "float8_e4m3", True, "bfloat16")
     xs = RNG.uniform(-2, 2, (128, 64)).astype(ml_dtypes.float8_e4m3fn)
     ws = RNG.uniform(-2, 2, (64, 96)).astype(ml_dtypes.float8_e4m3fn)
-    out = np.empty((128, 96), np.float32)
+    out = np.empty((128, 96))  # float64: the reference unrounded
     g.execute({"x": xs.view(np.uint8), "w": ws.view(np.uint8), "sa": np.float32([0.5]), "sb": np.float32([3.0]),
                "y": out}, backend="numpy")
     assert np.allclose(out, np.maximum(1.5 * (xs.astype(np.float64) @ ws.astype(np.float64)), 0), rtol=1e-6)
@@ -314,7 +314,7 @@ def test_graph_folds_the_amax_of_the_output_into_the_matmul():
     assert spec.kernel == "wgmma" and spec.amax and spec.epilogue == (("relu", ""),)
     xs = RNG.uniform(-2, 2, (128, 64)).astype(ml_dtypes.float8_e4m3fn)
     ws = RNG.uniform(-2, 2, (64, 96)).astype(ml_dtypes.float8_e4m3fn)
-    out, m = np.empty((128, 96), np.float32), np.empty((), np.float32)
+    out, m = np.empty((128, 96)), np.empty(())  # float64: the reference unrounded
     g.execute({"x": xs.view(np.uint8), "w": ws.view(np.uint8), "sa": np.float32([0.5]), "sb": np.float32([3.0]),
                "y": out, "m": m}, backend="numpy")
     assert m == np.abs(out).max() > 0

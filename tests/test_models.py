@@ -28,6 +28,8 @@ NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat
 class Fake:
     """What the functional API reads of a device array: shape, strides, dtype, address."""
 
+    __cuda_array_interface__ = None  # a device array, to the argument checks (never read)
+
     def __init__(self, shape, dtype, strides=None):
         self.shape, self.dtype = tuple(shape), np.dtype(NP.get(dtype, dtype))
         self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)

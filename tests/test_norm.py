@@ -39,7 +39,7 @@ def op(dtype, *shape, align=16):
 def test_layer_norm_reference_matches_a_per_row_loop():
     x = RNG.normal(3.0, 2.0, (4, 3, 10))
     gamma, beta = RNG.normal(size=10), RNG.normal(size=10)
-    y, mean, rstd = ref.layer_norm(x, 1, gamma, beta, eps=1e-3, return_stats=True)
+    y, mean, rstd = ref.layer_norm(x, gamma, beta, eps=1e-3, return_stats=True)
     for i, j in np.ndindex(4, 3):
         row = list(x[i, j])
         mu = sum(row) / len(row)
@@ -48,13 +48,13 @@ def test_layer_norm_reference_matches_a_per_row_loop():
         np.testing.assert_allclose(y[i, j], want, rtol=1e-12)
         assert mean[i, j] == pytest.approx(mu) and rstd[i, j] == pytest.approx(1 / math.sqrt(var + 1e-3))
     # two normalized dims are one row of their product
-    flat = ref.layer_norm(x.reshape(4, 30), 1)
-    np.testing.assert_allclose(ref.layer_norm(x, 2), flat.reshape(4, 3, 10), rtol=1e-12)
+    flat = ref.layer_norm(x.reshape(4, 30))
+    np.testing.assert_allclose(ref.layer_norm(x, normalized_ndim=2), flat.reshape(4, 3, 10), rtol=1e-12)
 
 
 def test_rms_norm_reference_matches_a_per_row_loop():
     x, gamma = RNG.normal(size=(6, 9)), RNG.normal(size=9)
-    y, rstd = ref.rms_norm(x, 1, gamma, eps=1e-6, return_stats=True)
+    y, rstd = ref.rms_norm(x, gamma, eps=1e-6, return_stats=True)
     for i in range(6):
         scale = 1 / math.sqrt(sum(v * v for v in x[i]) / 9 + 1e-6)
         np.testing.assert_allclose(y[i], [v * scale * g for v, g in zip(x[i], gamma)], rtol=1e-12)
@@ -112,17 +112,18 @@ def _numeric_grad(f, x, h=1e-6):
 def test_norm_backward_references_match_finite_differences():
     x, w = RNG.normal(1.0, 2.0, (3, 6)), RNG.normal(size=(3, 6))
     gamma, beta = RNG.normal(size=6), RNG.normal(size=6)
-    dx, dgamma, dbeta = ref.layer_norm_backward(w, x, 1, gamma, eps=1e-3)
-    np.testing.assert_allclose(dx, _numeric_grad(lambda v: (w * ref.layer_norm(v, 1, gamma, beta, 1e-3)).sum(), x),
+    dx, dgamma, dbeta = ref.layer_norm_backward(w, x, *ref.layer_norm(x, gamma, beta, eps=1e-3, return_stats=True)[1:],
+                                                gamma, beta)
+    np.testing.assert_allclose(dx, _numeric_grad(lambda v: (w * ref.layer_norm(v, gamma, beta, eps=1e-3)).sum(), x),
                                rtol=1e-6, atol=1e-8)
-    np.testing.assert_allclose(dgamma, _numeric_grad(lambda g: (w * ref.layer_norm(x, 1, g, beta, 1e-3)).sum(), gamma),
+    np.testing.assert_allclose(dgamma, _numeric_grad(lambda g: (w * ref.layer_norm(x, g, beta, eps=1e-3)).sum(), gamma),
                                rtol=1e-6, atol=1e-8)
-    np.testing.assert_allclose(dbeta, _numeric_grad(lambda b: (w * ref.layer_norm(x, 1, gamma, b, 1e-3)).sum(), beta),
+    np.testing.assert_allclose(dbeta, _numeric_grad(lambda b: (w * ref.layer_norm(x, gamma, b, eps=1e-3)).sum(), beta),
                                rtol=1e-6, atol=1e-8)
-    dx, dgamma = ref.rms_norm_backward(w, x, 1, gamma, eps=1e-3)
-    np.testing.assert_allclose(dx, _numeric_grad(lambda v: (w * ref.rms_norm(v, 1, gamma, 1e-3)).sum(), x),
+    dx, dgamma = ref.rms_norm_backward(w, x, ref.rms_norm(x, gamma, eps=1e-3, return_stats=True)[1], gamma)
+    np.testing.assert_allclose(dx, _numeric_grad(lambda v: (w * ref.rms_norm(v, gamma, eps=1e-3)).sum(), x),
                                rtol=1e-6, atol=1e-8)
-    np.testing.assert_allclose(dgamma, _numeric_grad(lambda g: (w * ref.rms_norm(x, 1, g, 1e-3)).sum(), gamma),
+    np.testing.assert_allclose(dgamma, _numeric_grad(lambda g: (w * ref.rms_norm(x, g, eps=1e-3)).sum(), gamma),
                                rtol=1e-6, atol=1e-8)
 
 

@@ -100,7 +100,7 @@ def test_max_pool_reference_matches_a_padded_scan(case):
     x = RNG.standard_normal(shape)
     x.flat[RNG.integers(0, x.size, 2)] = np.nan
     k, s, p, d = (pool._pair(v, "v", 0) for v in (kernel, stride, padding, dilation))
-    y, idx = ref.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    y, idx = ref.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
     want_y, want_idx = _padded_max(x, k, s, p, d, ceil_mode)
     np.testing.assert_array_equal(y, want_y)
     np.testing.assert_array_equal(idx, want_idx)
@@ -108,11 +108,11 @@ def test_max_pool_reference_matches_a_padded_scan(case):
 
 def test_max_pool_argmax_rules():
     x = np.array([[[[1.0, 3.0, 3.0], [np.nan, 0.0, np.nan], [-np.inf, -np.inf, -np.inf]]]])
-    _, idx = ref.max_pool2d(x[:, :, :1], (1, 3), 1, return_indices=True)
+    _, idx = ref.max_pool2d_with_indices(x[:, :, :1], (1, 3), 1)
     assert idx.ravel().tolist() == [1]            # ties: the first maximum
-    y, idx = ref.max_pool2d(x[:, :, 1:2], (1, 3), 1, return_indices=True)
+    y, idx = ref.max_pool2d_with_indices(x[:, :, 1:2], (1, 3), 1)
     assert np.isnan(y).all() and idx.ravel().tolist() == [2]   # NaN wins, and the last NaN is kept
-    y, idx = ref.max_pool2d(x[:, :, 2:], (1, 3), 1, return_indices=True)
+    y, idx = ref.max_pool2d_with_indices(x[:, :, 2:], (1, 3), 1)
     assert y.ravel().tolist() == [-np.inf] and idx.ravel().tolist() == [0]   # all -inf: the first tap
 
 
@@ -156,7 +156,7 @@ def test_avg_pool_backward_is_the_adjoint(case, count_include_pad, divisor_overr
     x = RNG.standard_normal(shape)
     y = ref.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
     dy = RNG.standard_normal(y.shape)
-    dx = ref.avg_pool2d_backward(dy, shape, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    dx = ref.avg_pool2d_backward(dy, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
     assert dx.shape == shape
     assert np.vdot(y, dy) == pytest.approx(np.vdot(x, dx), rel=1e-12)
 

@@ -112,7 +112,7 @@ def test_batch_norm_references(shape):
     k = (1, c) + (1,) * (len(shape) - 2)
     np.testing.assert_allclose(y, (x - mean.reshape(k)) / np.sqrt(var.reshape(k) + 1e-5) * gamma.reshape(k)
                                + beta.reshape(k))
-    inf = ref.batch_norm(x, rm, rv, gamma, beta, 1e-3)
+    inf = ref.batch_norm(x, rm, rv, gamma, beta, eps=1e-3)
     for idx in itertools.product(*map(range, shape)):
         ch = idx[1]
         want = (x[idx] - rm[ch]) / math.sqrt(rv[ch] + 1e-3) * gamma[ch] + beta[ch]
@@ -145,7 +145,7 @@ def test_batch_norm_backward_matches_finite_differences():
 def test_group_and_instance_norm_references():
     x = RNG.normal(2.0, 3.0, (2, 6, 3, 2))
     gamma, beta = RNG.uniform(0.5, 2, 6), RNG.uniform(-1, 1, 6)
-    y = ref.group_norm(x, 3, gamma, beta, 1e-5)
+    y = ref.group_norm(x, 3, gamma, beta, eps=1e-5)
     for n in range(2):
         for g in range(3):
             block = x[n, 2 * g:2 * g + 2]

@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..errors import ValidationError
+from . import rules
+from .rules import Rule
 
 
 class Meta(NamedTuple):
@@ -32,7 +34,7 @@ class AnchorOp:
     family: str
     inputs: tuple[str, ...]                 # roles in call order; "name?" is optional
     outputs: tuple[str, ...]                # roles; the first is the main output (epilogue target)
-    attrs: tuple[tuple[str, object], ...]   # static attributes and their defaults
+    attrs: tuple[tuple[str, object, Rule], ...]  # static attributes, their defaults and rules (graph.rules)
     infer: Callable                         # (attrs, {role: Meta}) -> [Meta per output]
     plan: Callable                          # (attrs, {role: Operand}, Epilogue) -> kernels.Plan
     reference: Callable                     # (attrs, {role: float64 array}) -> tuple of arrays
@@ -42,6 +44,14 @@ class AnchorOp:
     data_types: tuple = ()                  # types beyond the pointwise ones its tensors take (fp8)
     folds: tuple = ()                       # whole-tensor reductions of its (epilogue's) output it computes
                                             # as it writes it: an output role each (matmul: "amax")
+    check: Callable = None                  # (attrs, {role: Meta}) -> None: rank and shape rules of the
+                                            # inputs, raising ValidationError (None: ``infer``'s own)
+
+    def output_metas(self, attrs: dict, metas: dict) -> list:
+        """``infer`` after ``check``: what the graph calls for each node and each new set of dims."""
+        if self.check is not None:
+            self.check(attrs, metas)
+        return self.infer(attrs, metas)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -51,27 +61,27 @@ class AnchorOp:
     def roles(self) -> tuple[str, ...]:
         return tuple(r.rstrip("?") for r in self.inputs)
 
+    def given(self, inputs: dict, where: str, what: str = "a tensor") -> dict:
+        """The inputs (role -> value) given for its roles, in role order; a required one missing
+        is an error naming it."""
+        out = {}
+        for role in self.roles:
+            value = inputs.get(role)
+            if value is not None:
+                out[role] = value
+            elif role in self.required:
+                raise ValidationError(f"{where}: needs {what} for '{role}'", arg=role)
+        return out
+
     def attributes(self, given: dict, where: str) -> dict:
-        """Defaults filled in, unknown names refused; values keep JSON-plain types."""
-        known = dict(self.attrs)
+        """Defaults filled in, unknown names refused, each value checked against its rule and
+        given its canonical, JSON-plain form."""
+        known = {name: (default, rule) for name, default, rule in self.attrs}
         for key in given:
             if key not in known:
                 raise ValidationError(f"{where}: unknown attribute '{key}' (takes {', '.join(known) or 'none'})",
                                       arg=key)
-        out = {**known, **given}
-        for key, value in out.items():
-            if isinstance(value, list):
-                out[key] = tuple(value)
-            if not _plain(out[key]):
-                raise ValidationError(f"{where}: attribute {key}={value!r} is not a number, string, bool or "
-                                      "tuple of them", arg=key)
-        return out
-
-
-def _plain(value) -> bool:
-    if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
+        return {key: rule.check(given.get(key, default), where, key) for key, (default, rule) in known.items()}
 
 
 class Epilogue(NamedTuple):
@@ -122,9 +132,77 @@ def _reduction(op: str) -> AnchorOp:
     def plan(a, o, e):
         return reduce.plan_reduce(op, o["x"], a["axes"], out_dtype=e.out_dtype, tile=e.tile)
 
-    return AnchorOp(op, "reduce", ("x",), ("y",), (("axes", None), ("keepdims", False)), infer, plan,
+    return AnchorOp(op, "reduce", ("x",), ("y",), (("axes", None, rules.AXES), ("keepdims", False, rules.FLAG)),
+                    infer, plan,
                     lambda a, v: (getattr(ref, op)(v["x"], axis=a["axes"], keepdims=a["keepdims"]),),
                     epilogue=False)
+
+
+# -- rank and shape rules between a node's inputs (AnchorOp.check) -----------------------------------
+
+def _need(ok: bool, role: str, rule: str) -> None:
+    if not ok:
+        raise ValidationError(f"'{role}' {rule}", arg=role)
+
+
+def _same_dims(m, role: str, like: str) -> None:
+    if role in m:
+        _need(m[role].dims == m[like].dims, role, f"has dims {list(m[role].dims)}; needs '{like}''s "
+              f"{list(m[like].dims)}")
+
+
+def _per_channel(*roles: str, x: str = "x", divides: str | None = None):
+    """x is (N, C, ...) and each per-channel role is (C,); ``divides``: an attribute C is a multiple of."""
+    def check(a, m):
+        dims = m[x].dims
+        _need(len(dims) >= 2, x, f"has dims {list(dims)}; needs (N, C, ...): rank 2 or more")
+        for role in roles:
+            if role in m:
+                _need(m[role].dims == (dims[1],), role, f"has dims {list(m[role].dims)}; needs ({dims[1]},), one "
+                      f"value per channel of '{x}'")
+        if divides is not None:
+            _need(dims[1] % a[divides] == 0, x, f"has {dims[1]} channels, not a multiple of {divides}={a[divides]}")
+        _same_dims(m, "dy", x)
+    return check
+
+
+def _rows(x: str = "x", stats: tuple = ()):
+    """normalized_ndim fits x's rank; gamma / beta have the normalized dims, residual / dy x's dims,
+    saved statistics its lead dims."""
+    def check(a, m):
+        dims, k = m[x].dims, a["normalized_ndim"]
+        _need(k <= len(dims), x, f"has dims {list(dims)}: fewer than normalized_ndim={k}")
+        for role in ("gamma", "beta"):
+            if role in m:
+                _need(m[role].dims == dims[len(dims) - k:], role, f"has dims {list(m[role].dims)}; needs "
+                      f"{list(dims[len(dims) - k:])}, the last normalized_ndim={k} dims of '{x}'")
+        for role in stats:
+            lead = dims[:len(dims) - k] or (1,)
+            _need(math.prod(m[role].dims) == math.prod(lead), role, f"has dims {list(m[role].dims)}; needs "
+                  f"{list(lead)}, one value per row of '{x}'")
+        _same_dims(m, "residual", x), _same_dims(m, "dy", x)
+    return check
+
+
+def _along(x: str):
+    """softmax: the axis is one of x's, a mask broadcasts to x, dy has x's dims."""
+    def check(a, m):
+        dims = m[x].dims
+        _need(-len(dims) <= a["axis"] < len(dims), x, f"has {len(dims)} dims; axis={a['axis']} is not one of them")
+        if "mask" in m:
+            mask = m["mask"].dims
+            _need(len(mask) <= len(dims) and all(d in (1, e) for d, e in zip(mask[::-1], dims[::-1])), "mask",
+                  f"has dims {list(mask)}; needs to broadcast to '{x}''s {list(dims)}")
+        if a.get("causal"):
+            _need(len(dims) >= 2, x, f"has dims {list(dims)}; causal masking needs (..., Sq, Sk)")
+        _same_dims(m, "dy", x)
+    return check
+
+
+def _pooled(a, m):
+    """A pooling backward's dy has the forward's output dims."""
+    want = _pool_infer(a, {"x": m["x"]})[0].dims
+    _need(m["dy"].dims == want, "dy", f"has dims {list(m['dy'].dims)}; needs {list(want)}, the pooled dims of 'x'")
 
 
 def _channels(m) -> Meta:
@@ -132,7 +210,9 @@ def _channels(m) -> Meta:
 
 
 def _pool_attrs(extra=()):
-    return (("kernel", 2), ("stride", None), ("padding", 0), ("dilation", 1), ("ceil_mode", False)) + extra
+    return (("kernel", 2, rules.int_pair(1)), ("stride", None, rules.optional(rules.int_pair(1), empty=True)),
+            ("padding", 0, rules.int_pair(0)), ("dilation", 1, rules.int_pair(1)),
+            ("ceil_mode", False, rules.FLAG)) + extra
 
 
 def _pool_infer(a, m):
@@ -150,24 +230,26 @@ def _avg(a):
     return dict(count_include_pad=a["count_include_pad"], divisor_override=a["divisor_override"])
 
 
-_AVG = (("count_include_pad", True), ("divisor_override", None))
+_AVG = (("count_include_pad", True, rules.FLAG), ("divisor_override", None, rules.optional(rules.integer(1))))
+_EPS = rules.real(0)  # PyTorch takes eps = 0; a negative or NaN eps is a mistake
 
 register(
     *map(_reduction, ("sum", "mean", "max", "min", "amax", "norm1", "norm2", "prod")),
-    AnchorOp("batch_norm", "reduce", ("x", "mean", "var", "gamma?", "beta?"), ("y",), (("eps", 1e-5),),
+    AnchorOp("batch_norm", "reduce", ("x", "mean", "var", "gamma?", "beta?"), ("y",), (("eps", 1e-5, _EPS),),
              lambda a, m: [_same(m["x"])],
              lambda a, o, e: batchnorm.plan_batch_norm_inference(
                  o["x"], o["mean"], o["var"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
                  params=e.params, out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.batch_norm(v["x"], v["mean"], v["var"], v.get("gamma"), v.get("beta"), a["eps"]),)),
+             lambda a, v: (ref.batch_norm(v["x"], v["mean"], v["var"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
+             check=_per_channel("mean", "var", "gamma", "beta")),
     AnchorOp("batch_norm_training", "reduce", ("x", "gamma?", "beta?"), ("y", "saved_mean", "saved_invstd"),
-             (("eps", 1e-5),),
+             (("eps", 1e-5, _EPS),),
              lambda a, m: [_same(m["x"]), _channels({"x": m["x"]}), _channels({"x": m["x"]})],
              lambda a, o, e: batchnorm.plan_batch_norm_training(
                  o["x"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps, params=e.params,
                  out_dtype=e.out_dtype, out_align=e.out_align),
              lambda a, v: ref.batch_norm_training(v["x"], v.get("gamma"), v.get("beta"), eps=a["eps"])[:3],
-             tiles=False),
+             tiles=False, check=_per_channel("gamma", "beta")),
     AnchorOp("batch_norm_backward", "reduce", ("dy", "x", "saved_mean", "saved_invstd", "gamma"),
              ("dx", "dgamma", "dbeta"), (),
              lambda a, m: [_same(m["x"]), _channels(m), _channels(m)],
@@ -176,25 +258,26 @@ register(
                  dx_align=e.out_align),
              lambda a, v: ref.batch_norm_backward(v["dy"], v["x"], v["saved_mean"], v["saved_invstd"],
                                                   v.get("gamma")),
-             epilogue=False, tiles=False),
-    AnchorOp("group_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("groups", 1), ("eps", 1e-5)),
+             epilogue=False, tiles=False, check=_per_channel("saved_mean", "saved_invstd", "gamma")),
+    AnchorOp("group_norm", "reduce", ("x", "gamma?", "beta?"), ("y",),
+             (("groups", 1, rules.integer(1)), ("eps", 1e-5, _EPS)),
              lambda a, m: [_same(m["x"])],
              lambda a, o, e: batchnorm.plan_group_norm(
                  o["x"], a["groups"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps,
                  params=e.params, out_dtype=e.out_dtype, out_align=e.out_align),
-             lambda a, v: (ref.group_norm(v["x"], a["groups"], v.get("gamma"), v.get("beta"), a["eps"]),),
-             tiles=False),
-    AnchorOp("instance_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("eps", 1e-5),),
+             lambda a, v: (ref.group_norm(v["x"], a["groups"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
+             tiles=False, check=_per_channel("gamma", "beta", divides="groups")),
+    AnchorOp("instance_norm", "reduce", ("x", "gamma?", "beta?"), ("y",), (("eps", 1e-5, _EPS),),
              lambda a, m: [_same(m["x"])],
              lambda a, o, e: batchnorm.plan_instance_norm(
                  o["x"], o.get("gamma"), o.get("beta"), eps=a["eps"], epilogue=e.steps, params=e.params,
                  out_dtype=e.out_dtype, out_align=e.out_align),
-             lambda a, v: (ref.instance_norm(v["x"], v.get("gamma"), v.get("beta"), a["eps"]),),
-             tiles=False),
+             lambda a, v: (ref.instance_norm(v["x"], v.get("gamma"), v.get("beta"), eps=a["eps"]),),
+             tiles=False, check=_per_channel("gamma", "beta")),
     AnchorOp("max_pool2d", "pool", ("x",), ("y",), _pool_attrs(), _pool_infer,
              lambda a, o, e: pool.plan_pool2d("max", o["x"], **_window(a), epilogue=e.steps, params=e.params,
                                               out_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.max_pool2d(v["x"], **_window(a)),)),
+             lambda a, v: (ref.max_pool2d(v["x"], *_window(a).values()),)),
     AnchorOp("avg_pool2d", "pool", ("x",), ("y",), _pool_attrs(_AVG), _pool_infer,
              lambda a, o, e: pool.plan_pool2d("avg", o["x"], **_window(a), **_avg(a), epilogue=e.steps,
                                               params=e.params, out_dtype=e.out_dtype, out_align=e.out_align,
@@ -213,14 +296,15 @@ register(
                                 None)],
              lambda a, o, e: pool.plan_pool2d_backward("max", o["dy"], o["x"].shape, **_window(a), x=o["x"],
                                                        dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.max_pool2d_backward(v["dy"], v["x"], **_window(a)),), epilogue=False),
+             lambda a, v: (ref.max_pool2d_backward(v["dy"], v["x"], *_window(a).values()),), epilogue=False,
+             check=_pooled),
     AnchorOp("avg_pool2d_backward", "pool", ("dy", "x"), ("dx",), _pool_attrs(_AVG),
              lambda a, m: [Meta(m["x"].dims, pool.packed_strides(m["x"].dims, pool.layout_of(_operand_meta(m["x"]))),
                                 None)],
              lambda a, o, e: pool.plan_pool2d_backward("avg", o["dy"], o["x"].shape, **_window(a), **_avg(a),
                                                        dx_dtype=e.out_dtype, dx_align=e.out_align, tile=e.tile),
-             lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"].shape, a["kernel"], a["stride"], a["padding"],
-                                                   a["ceil_mode"], **_avg(a)),), epilogue=False),
+             lambda a, v: (ref.avg_pool2d_backward(v["dy"], v["x"], a["kernel"], a["stride"], a["padding"],
+                                                   a["ceil_mode"], **_avg(a)),), epilogue=False, check=_pooled),
 )
 
 
@@ -240,52 +324,51 @@ def _norm_plan(kind: str, stats: bool):
     return make
 
 
-def _residual(v):
-    return v["x"] + v["residual"] if "residual" in v else v["x"]
-
-
 def _norm_rows(kind: str, eps: float):
     affine = ("x", "gamma?", "beta?", "residual?") if kind == "layer" else ("x", "gamma?", "residual?")
-    attrs = (("normalized_ndim", 1), ("eps", eps))
+    attrs = (("normalized_ndim", 1, rules.integer(1)), ("eps", eps, _EPS))
     forward = ref.layer_norm if kind == "layer" else ref.rms_norm
 
     def reference(a, v, stats):
         extra = {"beta": v.get("beta")} if kind == "layer" else {}
-        out = forward(_residual(v), a["normalized_ndim"], gamma=v.get("gamma"), eps=a["eps"], return_stats=stats,
-                      **extra)
+        out = forward(v["x"], gamma=v.get("gamma"), eps=a["eps"], normalized_ndim=a["normalized_ndim"],
+                      residual=v.get("residual"), return_stats=stats, **extra)
         return out if stats else (out,)
 
     stats = ("mean", "rstd") if kind == "layer" else ("rstd",)
     return (
         AnchorOp(f"{kind}_norm" if kind == "layer" else "rms_norm", "norm", affine, ("y",), attrs,
                  lambda a, m: [_packed(m["x"].dims)], _norm_plan(kind, False),
-                 lambda a, v: reference(a, v, False), residual="residual"),
+                 lambda a, v: reference(a, v, False), residual="residual", check=_rows()),
         AnchorOp(f"{kind}_norm_training" if kind == "layer" else "rms_norm_training", "norm", affine,
                  ("y",) + stats, attrs,
                  lambda a, m: [_packed(m["x"].dims)] + [_lead(m, a)] * len(stats), _norm_plan(kind, True),
-                 lambda a, v: reference(a, v, True), residual="residual"),
+                 lambda a, v: reference(a, v, True), residual="residual", check=_rows()),
     )
 
 
 def _softmax_row(log: bool) -> AnchorOp:
     name = "log_softmax" if log else "softmax"
-    return AnchorOp(name, "norm", ("x", "mask?"), ("y",), (("axis", -1), ("causal", False)),
+    return AnchorOp(name, "norm", ("x", "mask?"), ("y",),
+                    (("axis", -1, rules.AXIS), ("causal", False, rules.FLAG)),
                     lambda a, m: [_packed(m["x"].dims)],
                     lambda a, o, e: norm.plan_softmax(o["x"], a["axis"], log=log, mask=o.get("mask"),
                                                       causal=a["causal"], epilogue=e.steps, params=e.params,
                                                       out_dtype=e.out_dtype, out_align=e.out_align, arch=e.arch,
                                                       tile=e.tile),
-                    lambda a, v: (getattr(ref, name)(v["x"], a["axis"], v.get("mask"), a["causal"]),))
+                    lambda a, v: (getattr(ref, name)(v["x"], a["axis"], mask=v.get("mask"), causal=a["causal"]),),
+                    check=_along("x"))
 
 
 def _softmax_backward_row(log: bool) -> AnchorOp:
     name = "log_softmax_backward" if log else "softmax_backward"
-    return AnchorOp(name, "norm", ("dy", "y"), ("dx",), (("axis", -1),),
+    return AnchorOp(name, "norm", ("dy", "y"), ("dx",), (("axis", -1, rules.AXIS),),
                     lambda a, m: [_packed(m["y"].dims)],
                     lambda a, o, e: norm.plan_softmax_backward(o["dy"], o["y"], a["axis"], log=log,
                                                                dx_dtype=e.out_dtype, out_align=e.out_align,
                                                                tile=e.tile),
-                    lambda a, v: (getattr(ref, name)(v["dy"], v["y"], a["axis"]),), epilogue=False)
+                    lambda a, v: (getattr(ref, name)(v["dy"], v["y"], a["axis"]),), epilogue=False,
+                    check=_along("y"))
 
 
 def _weights(m, a, role) -> Meta:
@@ -295,21 +378,23 @@ def _weights(m, a, role) -> Meta:
 register(
     *_norm_rows("layer", 1e-5), *_norm_rows("rms", 1e-6),
     AnchorOp("layer_norm_backward", "norm", ("dy", "x", "mean", "rstd", "gamma", "beta"), ("dx", "dgamma", "dbeta"),
-             (("normalized_ndim", 1), ("eps", 1e-5)),
+             (("normalized_ndim", 1, rules.integer(1)), ("eps", 1e-5, _EPS)),
              lambda a, m: [_packed(m["x"].dims), _weights(m, a, "gamma"), _weights(m, a, "beta")],
              lambda a, o, e: norm.plan_layer_norm_backward(o["dy"], o["x"], a["normalized_ndim"], mean=o["mean"],
                                                            rstd=o["rstd"], gamma=o["gamma"], beta=o["beta"],
                                                            dx_dtype=e.out_dtype, out_align=e.out_align, tile=e.tile),
-             lambda a, v: ref.layer_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
-             epilogue=False),
+             lambda a, v: ref.layer_norm_backward(v["dy"], v["x"], v["mean"], v["rstd"], v["gamma"], v["beta"],
+                                                   normalized_ndim=a["normalized_ndim"]),
+             epilogue=False, check=_rows(stats=("mean", "rstd"))),
     AnchorOp("rms_norm_backward", "norm", ("dy", "x", "rstd", "gamma"), ("dx", "dgamma"),
-             (("normalized_ndim", 1), ("eps", 1e-6)),
+             (("normalized_ndim", 1, rules.integer(1)), ("eps", 1e-6, _EPS)),
              lambda a, m: [_packed(m["x"].dims), _weights(m, a, "gamma")],
              lambda a, o, e: norm.plan_rms_norm_backward(o["dy"], o["x"], a["normalized_ndim"], rstd=o["rstd"],
                                                          gamma=o["gamma"], dx_dtype=e.out_dtype,
                                                          out_align=e.out_align, tile=e.tile),
-             lambda a, v: ref.rms_norm_backward(v["dy"], v["x"], a["normalized_ndim"], v["gamma"], a["eps"]),
-             epilogue=False),
+             lambda a, v: ref.rms_norm_backward(v["dy"], v["x"], v["rstd"], v["gamma"],
+                                                 normalized_ndim=a["normalized_ndim"]),
+             epilogue=False, check=_rows(stats=("rstd",))),
     _softmax_row(False), _softmax_row(True), _softmax_backward_row(False), _softmax_backward_row(True),
 )
 
@@ -317,7 +402,10 @@ register(
 # -- matmul ---------------------------------------------------------------------------------------
 from ..kernels import matmul  # noqa: E402
 
-_MATMUL_ATTRS = (("bias_axis", "col"), ("alpha", 1.0), ("beta", 1.0), ("precision", "exact"))
+_MATMUL_ATTRS = (("bias_axis", "col", rules.one_of("col", "row")), ("alpha", 1.0, rules.real()),
+                 ("beta", 1.0, rules.real()),
+                 ("precision", "exact", rules.one_of(*dict.fromkeys(p for ps in matmul.PRECISION_CHOICES.values()
+                                                                    for p in ps))))
 
 
 def _matmul_plan(a, o, e):
@@ -346,7 +434,7 @@ register(
     AnchorOp("matmul", "matmul", ("a", "b", "bias?", "residual?", "scale_a?", "scale_b?", "scale_out?"), ("y",),
              _MATMUL_ATTRS,
              lambda a, m: [_packed(matmul.output_shape(m["a"].dims, m["b"].dims))], _matmul_plan,
-             lambda a, v: (ref.matmul(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
+             lambda a, v: (ref.matmul_chain(v["a"], v["b"], v.get("bias"), bias_axis=a["bias_axis"], alpha=a["alpha"],
                                       beta=a["beta"], residual=v.get("residual"), scale_a=_scale(v, "scale_a"),
                                       scale_b=_scale(v, "scale_b"),
                                       scale_out=_scale(v, "scale_out") if "scale_out" in v else None),),

@@ -27,6 +27,7 @@ from .. import kernels
 from ..kernels import pointwise
 from .anchors import ANCHORS, Epilogue, Meta
 from .ops import SCHEMAS
+from .rules import SCALAR, check_dims, check_extent
 from .tensor import Tensor, contiguous_strides
 
 _STATES = ("new", "validated", "fused", "planned", "supported", "built")
@@ -137,12 +138,12 @@ class Graph:
         if alignment not in (1, 2, 4, 8, 16):
             raise ValidationError(f"{label}: alignment {alignment!r} is not 1, 2, 4, 8 or 16", arg="alignment")
         dims = tuple(dims)
-        if not dims or not all(type(d) is int and d >= 1 for d in dims):
-            raise ValidationError(f"{label}: dims {list(dims)} must be one or more ints >= 1", arg="dims")
+        check_dims(label, dims)
         strides = contiguous_strides(dims) if strides is None else tuple(strides)
         if len(strides) != len(dims) or not all(type(s) is int for s in strides):
             raise ValidationError(f"{label}: strides {list(strides)} must be {len(dims)} ints, one per dim",
                                   arg="strides")
+        check_extent(label, dims, strides)
         data_type = dtypes.dtype(data_type if data_type is not None else self.io_data_type, arg=label).name
         tensor = self._new_tensor(dims, strides, data_type, name, uid, is_virtual)
         tensor.alignment = alignment
@@ -172,15 +173,13 @@ class Graph:
             out_name: str | None = None) -> Tensor:
         node_name = self._node_name(op, name)
         schema = SCHEMAS[op]
-        expected = len(schema.params) if schema.arity == 1 or len(inputs) == 2 else 1
-        if len(inputs) not in (1, schema.arity) or len(params) != expected:
+        slots = schema.params if schema.arity == 1 or len(inputs) == 2 else (("scalar", None, SCALAR),)
+        if len(inputs) not in (1, schema.arity) or len(params) != len(slots):
             raise ValidationError(f"node '{node_name}' ({op}): takes {schema.arity} tensors and "
                                   f"{len(schema.params)} parameters (binary ops: a tensor or one scalar), got "
                                   f"{len(inputs)} tensors and {len(params)} parameters", arg=node_name)
-        for value in params:
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise ValidationError(f"node '{node_name}' ({op}): parameter {value!r} is not a real number",
-                                      arg=node_name)
+        params = tuple(rule.check(value, f"node '{node_name}' ({op})", key)
+                       for value, (key, _, rule) in zip(params, slots))
         for position, t in enumerate(inputs):
             if not isinstance(t, Tensor) or t.graph is not self:
                 raise ValidationError(f"node '{node_name}' ({op}): input {position} is not a tensor of graph "
@@ -193,7 +192,7 @@ class Graph:
         out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
                                out_name or (name if name and name not in self._names else f"{node_name}.out"), uid,
                                True)
-        node = Node(node_name, op, tuple(inputs), tuple(float(p) for p in params), (out,))
+        node = Node(node_name, op, tuple(inputs), params, (out,))
         self._touch()
         out.producer = node
         self.nodes.append(node)
@@ -204,20 +203,16 @@ class Graph:
         when it has several. ``outs``: (uid, name) per output, to rebuild a described graph."""
         schema = ANCHORS[op]
         node_name = self._node_name(op, name)
-        roles, tensors = [], []
-        for role in schema.roles:
-            t = inputs.get(role)
-            if t is None:
-                if role in schema.required:
-                    raise ValidationError(f"node '{node_name}' ({op}): needs a tensor for '{role}'", arg=role)
-                continue
+        given = schema.given(inputs, f"node '{node_name}' ({op})")
+        for role, t in given.items():
             if not isinstance(t, Tensor) or t.graph is not self:
                 raise ValidationError(f"node '{node_name}' ({op}): '{role}' is not a tensor of graph '{self.name}'",
                                       arg=role)
-            roles.append(role), tensors.append(t)
+        roles, tensors = list(given), list(given.values())
         attrs = schema.attributes(attrs, f"node '{node_name}' ({op})")
         try:
-            metas = schema.infer(attrs, {r: Meta(t.dims, t.strides, t.data_type) for r, t in zip(roles, tensors)})
+            metas = schema.output_metas(attrs, {r: Meta(t.dims, t.strides, t.data_type)
+                                                for r, t in zip(roles, tensors)})
         except ValidationError as exc:
             raise ValidationError(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
         outputs = []
@@ -239,11 +234,11 @@ class Graph:
         schema = SCHEMAS[op]
 
         def method(self, x, *args, name=None, **kwargs):
-            names = [k for k, _ in schema.params]
+            names = [k for k, _, _ in schema.params]
             if len(args) > len(names):
                 raise ValidationError(f"{op}: takes {len(names)} parameters ({names or 'none'}), got "
                                       f"{len(args)} positional", arg=op)
-            values = dict(schema.params)
+            values = {k: default for k, default, _ in schema.params}
             for key, value in list(zip(names, args)) + list(kwargs.items()):
                 if key not in values:
                     raise ValidationError(f"{op}: unknown parameter '{key}' (takes {names or 'none'})", arg=key)
@@ -251,7 +246,7 @@ class Graph:
             return self._op(op, (x,), tuple(values[k] for k in names), name)
 
         method.__name__ = op
-        method.__doc__ = f"{op}(x{''.join(', ' + k for k, _ in schema.params)}) as a graph node."
+        method.__doc__ = f"{op}(x{''.join(', ' + k for k, _, _ in schema.params)}) as a graph node."
         return method
 
     def _binary(op):
@@ -432,7 +427,8 @@ class Graph:
         """Run the built graph. Keys: tensors, uids or names; values: device arrays.
 
         No allocation and no host synchronization: capturable into a CUDA graph.
-        ``backend="numpy"`` runs the float64 reference on NumPy arrays instead.
+        ``backend="numpy"`` runs the float64 reference on NumPy arrays instead: inputs hold the
+        tensors' data types as on the device, outputs those or float64 (the reference unrounded).
         """
         if backend == "numpy":
             return self._execute_numpy(variant_pack)
@@ -483,6 +479,25 @@ class Graph:
                                       arg=self._io[index].name)
         return bound
 
+    def _check_arrays(self, bound, exact_outputs: bool = False) -> dict[int, tuple]:
+        """Every array (one per io tensor, in slot order) against its tensor: its data type, its
+        rank, and for outputs the shape their nodes make of the inputs; the dims of every tensor.
+        The device and the NumPy backend check alike, except that the NumPy backend's outputs may
+        be float64 (``exact_outputs``) to receive the reference unrounded."""
+        for t, a in zip(self._io, bound):
+            exact = exact_outputs and t.producer is not None and a.dtype == np.float64
+            if not (exact or _holds(a, t.data_type)):
+                raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
+            if a.ndim != len(t.dims):
+                raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
+                                      arg=t.name)
+        shapes = self._shapes([a.shape for a in bound])
+        for t, a in zip(self._io, bound):
+            if t.producer is not None and a.shape != shapes[t.uid]:
+                raise ValidationError(f"tensor '{t.name}': array shape {a.shape} should be {shapes[t.uid]}, "
+                                      "what its node makes of its inputs", arg=t.name)
+        return shapes
+
     def _prepare(self, bound, workspace, device) -> list:
         """Check every array against its tensor, plan each group for these shapes, place the
         workspace, and bind every pointer."""
@@ -490,18 +505,10 @@ class Graph:
             if a.data.device_id != device:
                 raise DeviceError(f"tensor '{t.name}': array is on device {a.data.device_id}, the current device "
                                   f"is {device}", arg=t.name)
-            if not _holds(a, t.data_type):
-                raise DTypeError(f"tensor '{t.name}': array is {a.dtype}, the tensor is {t.data_type}", arg=t.name)
-            if a.ndim != len(t.dims):
-                raise ValidationError(f"tensor '{t.name}': array has {a.ndim} dims, the tensor {len(t.dims)}",
-                                      arg=t.name)
-        shapes = self._shapes([a.shape for a in bound])
+        shapes = self._check_arrays(bound)
         for t, a in zip(self._io, bound):
             if t.producer is None:
                 continue
-            if a.shape != shapes[t.uid]:
-                raise ValidationError(f"tensor '{t.name}': array shape {a.shape} should be {shapes[t.uid]}, "
-                                      "what its node makes of its inputs", arg=t.name)
             want = self._out_strides(t, shapes, bound)
             if tuple(s // a.itemsize for s in a.strides) != want and a.size > 1:
                 raise ValidationError(f"tensor '{t.name}': an output array must have strides {list(want)} (packed "
@@ -643,7 +650,7 @@ class Graph:
             if node.op in ANCHORS:
                 metas = {r: Meta(shapes[t.uid], contiguous_strides(shapes[t.uid]), t.data_type)
                          for r, t in zip(node.roles, node.inputs)}
-                for t, meta in zip(node.outputs, ANCHORS[node.op].infer(dict(node.attrs), metas)):
+                for t, meta in zip(node.outputs, ANCHORS[node.op].output_metas(dict(node.attrs), metas)):
                     shapes[t.uid] = tuple(meta.dims)
             else:
                 shapes[node.output.uid] = pointwise.broadcast_shape([shapes[t.uid] for t in node.inputs],
@@ -669,40 +676,41 @@ class Graph:
         return offsets, scratch, total
 
     def _execute_numpy(self, variant_pack):
-        """Float64 NumPy reference of every node; results written into the pack's arrays."""
+        """Float64 NumPy reference of every node; results written into the pack's arrays, which
+        are checked as the device path checks them (data types, ranks, shapes)."""
         if _STATES.index(self._state) < _STATES.index("fused"):
             self.validate().build_operation_graph()
-        values, targets = {}, {}
+        bound = [None] * len(self._io)
         for key, value in variant_pack.items():
             index = self._slot.get(key) if not isinstance(key, Tensor) or key.graph is self else None
             if index is None:
                 raise ValidationError(f"variant_pack: {key!r} is not an input or output of graph '{self.name}'",
                                       arg="variant_pack")
-            t = self._io[index]
             if not isinstance(value, np.ndarray):
-                raise ValidationError(f"tensor '{t.name}': the numpy backend takes NumPy arrays, got "
-                                      f"{type(value).__name__}", arg=t.name)
-            (targets if t.producer is not None else values)[t.uid] = value
-        for t in self._io:
-            if t.uid not in values and t.uid not in targets:
+                raise ValidationError(f"tensor '{self._io[index].name}': the numpy backend takes NumPy arrays, got "
+                                      f"{type(value).__name__}", arg=self._io[index].name)
+            bound[index] = value
+        for t, value in zip(self._io, bound):
+            if value is None:
                 raise ValidationError(f"variant_pack: no array for tensor '{t.name}'", arg=t.name)
+        self._check_arrays(bound, exact_outputs=True)
+        values = {t.uid: a for t, a in zip(self._io, bound) if t.producer is None}
         for node in self.nodes:
             args = [_float64(values[t.uid], t.data_type) for t in node.inputs]
             if node.op in ANCHORS:
                 results = ANCHORS[node.op].reference(dict(node.attrs), dict(zip(node.roles, args)))
                 values.update((t.uid, np.asarray(r)) for t, r in zip(node.outputs, results))
             else:
-                values[node.output.uid] = SCHEMAS[node.op].reference(*args, *node.params)
-        for uid, target in targets.items():
-            if target.shape != values[uid].shape:
-                raise ValidationError(f"tensor '{self.tensors[uid].name}': array shape {target.shape} should be "
-                                      f"{values[uid].shape}, what its node makes of its inputs",
-                                      arg=self.tensors[uid].name)
-            kind = dtypes.BY_NAME[self.tensors[uid].data_type]
-            if _fp8_bytes(target, kind.name):  # quantized bytes
-                target[...] = values[uid].astype(kind.host).view(np.uint8)
-            else:
-                target[...] = values[uid].astype(target.dtype)
+                values[node.output.uid] = np.asarray(SCHEMAS[node.op].reference(*args, *node.params))
+        for t, target in zip(self._io, bound):
+            if t.producer is None:
+                continue
+            kind = dtypes.BY_NAME[t.data_type]
+            with np.errstate(over="ignore"):  # a value beyond the type's range becomes inf, as on the device
+                if _fp8_bytes(target, kind.name):  # quantized bytes
+                    target[...] = values[t.uid].astype(kind.host).view(np.uint8)
+                else:
+                    target[...] = values[t.uid].astype(target.dtype)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
     def serialize(self, key: bytes | None = None) -> bytes:
@@ -773,7 +781,7 @@ def _anchor_method(op: str):
         return self._anchor(op, inputs, kwargs, name)
 
     method.__name__ = op
-    method.__doc__ = (f"{op}({', '.join(schema.inputs)}; {', '.join(f'{k}={v!r}' for k, v in schema.attrs)}) "
+    method.__doc__ = (f"{op}({', '.join(schema.inputs)}; {', '.join(f'{k}={v!r}' for k, v, _ in schema.attrs)}) "
                       f"as a graph node -> {', '.join(schema.outputs)} (optional inputs end in '?').")
     return method
 
@@ -792,7 +800,7 @@ def _holds(array, data_type: str) -> bool:
     """Whether ``array`` holds ``data_type``: its own type, or uint8 bytes of a declared fp8 type."""
     if array.dtype == np.uint8:
         return _fp8_bytes(array, data_type)
-    return dtypes.of_array(array, arg="array").name == data_type
+    return array.dtype.name == dtypes.BY_NAME[data_type].numpy_name
 
 
 def _float64(value, data_type: str) -> np.ndarray:

@@ -315,7 +315,7 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
         ncb = _cdiv(inner[0] // vec, bx)
         splits, rchunk = _splits(rows, outer[0] * ncb, (block // bx) * unroll * 2) if split else (1, rows)
         stage = "full" if kind == "plain" and splits == 1 else "partial"
-        index = _index(extent + block * unroll * rstride, splits * n_out * KINDS[kind])
+        index = _index(extent + block * unroll * rstride, splits * n_out * KINDS[kind], n_out * count)
         spec = ColReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
                              output=out_dtype if stage == "full" else "float32", vec=vec, index=index,
                              bx=bx, block=block, unroll=unroll)
@@ -342,7 +342,8 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
         else:
             splits, chunk = _splits(total, n_out, block * unroll * 2)
         stage = "full" if kind == "plain" and splits == 1 else "partial"
-        index = _index(extent + 2 * block * unroll * max(vec, abs(istride)), n_out * splits * KINDS[kind])
+        index = _index(extent + 2 * block * unroll * max(vec, abs(istride)), n_out * splits * KINDS[kind],
+                       n_out * count)  # counts too: a broadcast (stride 0) input reaches little memory
         spec = RowReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
                              output=out_dtype if stage == "full" else "float32", access=access,
                              kdims=len(kept), rdims=len(outer_dims), vec=vec, index=index, group=group,
