@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import dtypes
+from . import arrays, dtypes
 from .errors import DeviceError, DTypeError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
@@ -224,8 +224,7 @@ def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtyp
 def device() -> int:
     """The current CUDA device, or a DeviceError saying there is none usable and what runs instead."""
     try:
-        import cupy
-        return cupy.cuda.runtime.getDevice()
+        return arrays.cupy().cuda.runtime.getDevice()
     except Exception as exc:  # no CuPy, no driver, no device: CuPy's errors share no base class
         raise DeviceError(f"no usable GPU was found ({type(exc).__name__}: {exc}); nvdnn.reference.<op> computes "
                           "the same with NumPy on the CPU (same arguments), and Graph.execute(..., "
