@@ -10,7 +10,9 @@ import time
 from . import compiler
 from . import models
 from . import warm as warming
+from . import bundle
 from .cache import KernelCache
+from .cache_files import remove
 from .errors import NvdnnError
 
 EXAMPLES = {
@@ -138,7 +140,7 @@ def _cmd_cache(args) -> int:
         if not args.file:
             print(f"nvdnn cache {args.action}: give the bundle FILE", file=sys.stderr)
             return 2
-        result = cache.export_bundle(args.file) if args.action == "export" else cache.import_bundle(args.file)
+        result = (bundle.export_bundle if args.action == "export" else bundle.import_bundle)(cache, args.file)
         print(json.dumps(result) if args.json else ", ".join(f"{k} {v}" for k, v in result.items()))
         return 0
     if args.action == "clear":
@@ -162,7 +164,7 @@ def _cmd_cache(args) -> int:
     if args.action == "verify":
         if args.repair:
             for item in bad:
-                (cache.kernels / item["file"]).unlink(missing_ok=True)
+                remove(cache.kernels / item["file"])
         result = {"good": len(rows), "bad": bad, "repaired": bool(args.repair)}
         if args.json:
             print(json.dumps(result, indent=1))
