@@ -118,12 +118,16 @@ def _cmd_warm(args) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(f"warmed {cache.folder} for {', '.join(archs)}: compiled {summary['compiled']}, "
-              f"already cached {summary['cached']}, failed {summary['failed']} in {summary['seconds']:.2f}s")
+              f"already cached {summary['cached']}, failed {summary['failed']}, not written "
+              f"{summary['unwritten']} in {summary['seconds']:.2f}s")
         for failure in report.failed:
             print(f"  FAILED {failure[0]}\n    " + failure[1].replace("\n", "\n    "))
+        if report.unwritten:
+            print(f"  NOT WRITTEN: {len(report.unwritten)} kernels compiled but not stored in {cache.folder} "
+                  "(not writable? set NVDNN_CACHE_DIR), e.g. " + report.unwritten[0])
         if notes:
             print("\n".join(notes))
-    return 1 if report.failed or plan_failed else 0
+    return 1 if report.failed or report.unwritten or plan_failed else 0
 
 
 def _cmd_cache(args) -> int:
