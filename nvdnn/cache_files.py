@@ -15,8 +15,11 @@ from typing import BinaryIO
 from .errors import CacheError
 
 MAX_DEPTH = 32  # nvdnn's own documents nest 4 deep; json's C parser overflows the stack near 1000
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKET = re.compile(rb"[\[\]{}]")
+# A string, or an unterminated one up to the end: every quote matches at once, so stripping
+# strings stays linear even in a document made of quotes and backslashes.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKET = bytes(c for c in range(256) if c not in b"[]{}")
+_INNERMOST = re.compile(rb"\[\]|\{\}")
 
 
 def open_regular(path: str | os.PathLike, limit: int, *, follow: bool = False) -> BinaryIO:
@@ -64,12 +67,13 @@ def loads_bounded(data: bytes | str, max_depth: int = MAX_DEPTH):
     """json.loads, refusing (ValueError) a document nested deeper than ``max_depth``, which
     would otherwise raise RecursionError."""
     raw = data.encode() if isinstance(data, str) else data
-    depth = deepest = 0
-    for bracket in _BRACKET.findall(_STRING.sub(b'""', raw)):
-        depth += 1 if bracket in b"[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > max_depth:
-            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(max_depth):  # each pass removes one level: all innermost pairs
+        if not brackets:
+            break
+        brackets = _INNERMOST.sub(b"", brackets)
+    if brackets:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels, or its brackets do not pair")
     return json.loads(raw)
 
 

@@ -17,7 +17,7 @@ from nvdnn.cache import KernelCache
 from nvdnn.errors import CacheError
 
 from .test_cache import _reheadered
-from .test_cache_reliability import ARCH, _deadline, _listing, _memory_cap, _run_cli, pristine  # noqa: F401
+from .test_cache_reliability import ARCH, _deadline, _cli, _listing, _memory_cap, pristine  # noqa: F401
 
 BOUND = 1 << 20  # the bounds the bad-bundle test runs under (entries here are ~10 KB)
 
@@ -201,9 +201,9 @@ def test_import_reports_what_was_new(pristine, tmp_path):
     assert sorted(b.key for _, b, _ in target.entries()) == sorted(b.key for b in pristine["binaries"])
 
 
-def test_the_cli_reports_a_reimport(pristine, cache_dir, tmp_path):
+def test_the_cli_reports_a_reimport(pristine, cache_dir, tmp_path, capsys):
     shutil.copytree(pristine["folder"], cache_dir)
     path = tmp_path / "all.tar"
-    assert _run_cli(cache_dir, "cache", "export", str(path), cwd=tmp_path).returncode == 0
-    again = _run_cli(cache_dir, "cache", "import", str(path), cwd=tmp_path)
-    assert again.returncode == 0 and "imported 0" in again.stdout and "already 3" in again.stdout
+    assert _cli(capsys, "cache", "export", str(path))[0] == 0
+    status, out, _ = _cli(capsys, "cache", "import", str(path))
+    assert status == 0 and "imported 0" in out and "already 3" in out

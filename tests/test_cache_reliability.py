@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nvdnn import cache as kcache
-from nvdnn import cache_files, compiler, warm
+from nvdnn import cache_files, cli, compiler, warm
 from nvdnn.cache import KernelCache, decode_entry
 from nvdnn.errors import CacheError
 from nvdnn.spec import KernelSpec
@@ -86,7 +86,17 @@ def _memory_cap(extra: int = 1 << 30):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """``nvdnn ARGS`` in this process, on the folder NVDNN_CACHE_DIR names: (status, stdout,
+    stderr). An exception escaping main() is a traceback a user would see: the test fails."""
+    capsys.readouterr()
+    status = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def _run_cli(folder: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m nvdnn ARGS`` in a subprocess on ``folder``: the exit status a shell sees."""
     env = dict(os.environ, NVDNN_CACHE_DIR=str(folder))
     return subprocess.run([sys.executable, "-m", "nvdnn", *args], capture_output=True, text=True,
                           env=env, timeout=300, cwd=str(cwd))
@@ -167,23 +177,21 @@ def test_a_special_file_affects_only_its_own_entry(kind, where, pristine, cache_
 
 
 @pytest.mark.parametrize("kind", sorted(SPECIAL))
-def test_verify_repair_and_clear_handle_special_files(kind, pristine, cache_dir, tmp_path):
+def test_verify_repair_and_clear_handle_special_files(kind, pristine, cache_dir, tmp_path, capsys):
     cache = _copy(pristine, cache_dir)
     bad = cache.path_of(pristine["binaries"][0].key)
     _replace_with_special(bad, kind, tmp_path)
     (cache.folder / "index" / ("f" * 64)).mkdir()
     with _deadline(60):
-        verify = _run_cli(cache_dir, "cache", "verify", "--json", cwd=tmp_path)
-        assert verify.returncode == 1 and "Traceback" not in verify.stderr, verify.stderr
-        report = json.loads(verify.stdout)
+        status, out, _ = _cli(capsys, "cache", "verify", "--json")
+        assert status == 1
+        report = json.loads(out)
         assert report["good"] == 2 and [b["file"] for b in report["bad"]] == [bad.name]
-        repair = _run_cli(cache_dir, "cache", "verify", "--repair", cwd=tmp_path)
-        assert repair.returncode == 0 and "Traceback" not in repair.stderr, repair.stderr
+        assert _cli(capsys, "cache", "verify", "--repair")[0] == 0
         assert not os.path.lexists(bad)
-        assert json.loads(_run_cli(cache_dir, "cache", "verify", "--json", cwd=tmp_path).stdout)["bad"] == []
+        assert json.loads(_cli(capsys, "cache", "verify", "--json")[1])["bad"] == []
         _replace_with_special(cache.path_of(pristine["binaries"][1].key), kind, tmp_path)
-        clear = _run_cli(cache_dir, "cache", "clear", cwd=tmp_path)
-        assert clear.returncode == 0 and "Traceback" not in clear.stderr, clear.stderr
+        assert _cli(capsys, "cache", "clear")[0] == 0
     assert list((cache_dir / "kernels").iterdir()) == [] and list((cache_dir / "index").iterdir()) == []
 
 
@@ -235,13 +243,13 @@ def test_an_index_naming_a_path_outside_the_folder_is_not_followed(pristine, cac
     assert cache.get(spec, ARCH).key == good.key
 
 
-def test_a_file_named_like_no_key_is_reported_and_repaired(pristine, cache_dir, tmp_path):
+def test_a_file_named_like_no_key_is_reported_and_repaired(pristine, cache_dir, capsys):
     cache = _copy(pristine, cache_dir)
     odd = cache_dir / "kernels" / ("A" * 64 + ".nvk")
     odd.write_bytes(pristine["data"][0])
     problems = {p.name: problem for p, _, problem in cache.entries()}
     assert "64 lowercase hex" in problems[odd.name]
-    assert _run_cli(cache_dir, "cache", "verify", "--repair", cwd=tmp_path).returncode == 0
+    assert _cli(capsys, "cache", "verify", "--repair")[0] == 0
     assert not odd.exists()
 
 
@@ -271,6 +279,10 @@ def test_bounded_json_parses_ordinary_documents_and_refuses_deep_ones():
     assert cache_files.loads_bounded(b"[" * 32 + b"]" * 32) is not None
     with pytest.raises(ValueError, match="nest"):
         cache_files.loads_bounded(b"[" * 33 + b"]" * 33)
+    with _deadline(5), pytest.raises(ValueError):  # quotes and backslashes: linear (quadratic took 20 s)
+        cache_files.loads_bounded(b'"\\' * 40_000)
+    with _deadline(5), pytest.raises(ValueError, match="nest"):
+        cache_files.loads_bounded(b"[]" * 4_000_000 + b"[" * 100)
 
 
 # -- warm: success only when every entry reached the disk ------------------------------------------
