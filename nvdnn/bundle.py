@@ -21,7 +21,7 @@ from .errors import CacheError
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_MEMBERS = 100_000
-MAX_BUNDLE_BYTES = 16 << 30
+MAX_BUNDLE_BYTES = 2 << 30  # a bundle is held in memory until all of it is verified
 # Each manifest entry's fields, and what of a decoded entry each must equal (None: checked apart).
 ENTRY_FIELDS = {"key": None, "sha256": None, "uri": lambda b: b.uri, "arch": lambda b: b.arch,
                 "nvrtc": lambda b: b.meta.get("nvrtc", "")}
