@@ -15,7 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from .cache import _atomic_write, default_folder
+from .cache import default_folder
+from .cache_files import atomic_write
 
 def _family_key(spec) -> str:
     fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in spec.tile_fields}
@@ -55,7 +56,7 @@ class TuningDB:
         entry = {"best": best, "timings_ms": timings}
         data[self.key(spec, n, arch, device)] = entry
         data[self.key(spec, None, arch, device)] = entry  # the latest tuning of this kernel, any size
-        _atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def _device_name() -> str:

@@ -8,7 +8,10 @@ file per entry::
 
 written to a temp file in the same folder and moved in place with
 ``os.replace``, so concurrent writers of one key each leave a whole entry. Any
-entry that fails to parse or verify is a miss: it is recompiled and rewritten.
+entry that fails to parse or verify, or whose header names another kernel, is a
+miss: it is recompiled and rewritten. Anything that is not a regular file of
+bounded size (a FIFO, a link, a directory) is never read; a key is read from a
+file only if it is 64 lowercase hex characters.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import codegen, compiler, config
+from .cache_files import atomic_write, loads_bounded, move_into_place, read_regular, remove, write_temp
 from .errors import CacheError, CacheMissError, CompileError, NvdnnWarning, ValidationError
 from .spec import KernelSpec
 
@@ -34,7 +39,27 @@ MAGIC = b"NVDNNKC\x01"
 SUFFIX = ".nvk"
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 1 << 20
+MAX_ENTRY_BYTES = 64 << 20  # the largest cubin nvdnn builds is under 1 MB
+_MAX_RECORD_BYTES = 64 << 10  # toolchain.json
+_MAX_INDEX_BYTES = 256  # an index file: one key
+KEY_PATTERN = re.compile(r"[0-9a-f]{64}")  # a sha256 hexdigest; plan blobs use it too
+# What reading or decoding a damaged entry raises (CacheError: not a regular file, too large).
+BAD_ENTRY = (OSError, ValueError, KeyError, TypeError, CacheError)
 log = logging.getLogger("nvdnn.cache")
+
+
+def is_key(value) -> bool:
+    """Whether ``value`` is a cache key: 64 lowercase hex characters (a sha256), nothing else."""
+    return isinstance(value, str) and KEY_PATTERN.fullmatch(value) is not None
+
+
+def check_key(value, where: str) -> str:
+    """``value`` if it is a cache key; CacheError naming ``where`` otherwise. Every key read from a
+    file (index, bundle manifest, plan blob) passes here before it names a path or a cache slot."""
+    if not is_key(value):
+        raise CacheError(f"{where}: {str(value)[:80]!r} is not a cache key (64 lowercase hex characters)",
+                         arg=where)
+    return value
 
 
 @dataclass(frozen=True)
@@ -75,9 +100,11 @@ def decode_entry(data: bytes, expected_key: str | None = None) -> KernelBinary:
     start = len(MAGIC) + _LEN.size
     if head_len > _MAX_HEADER or start + head_len > len(body):
         raise ValueError("header length out of range")
-    header = json.loads(body[start:start + head_len])
+    header = loads_bounded(body[start:start + head_len])
     if not isinstance(header, dict) or not all(isinstance(header.get(k), str) for k in ("key", "uri", "arch", "entry")):
         raise ValueError("header is not an object with key, uri, arch and entry")
+    if not is_key(header["key"]):
+        raise ValueError("header key is not 64 lowercase hex characters")
     cubin = body[start + head_len:]
     if header.get("schema") != SCHEMA:
         raise ValueError(f"schema {header.get('schema')!r}, expected {SCHEMA}")
@@ -125,12 +152,14 @@ class KernelCache:
             return found
 
     def contains(self, spec: KernelSpec, arch: str) -> bool:
-        """Whether a valid entry for (spec, arch) is on disk or in memory; compiles nothing."""
+        """Whether get() would find (spec, arch) in memory or on disk; compiles nothing."""
+        return (spec, spec.target_arch(arch)) in self._by_spec or self.stored(spec, arch)
+
+    def stored(self, spec: KernelSpec, arch: str) -> bool:
+        """Whether a valid entry for (spec, arch) is on disk, whatever this process holds."""
         arch = spec.target_arch(arch)
-        if (spec, arch) in self._by_spec:
-            return True
-        key = cache_key(codegen.render(spec), compiler.options_for(arch), arch)
-        return self._read(key) is not None
+        return self._read_entry_of(spec, arch, cache_key(codegen.render(spec), compiler.options_for(arch), arch)) \
+            is not None
 
     def _load_or_compile(self, spec: KernelSpec, arch: str) -> KernelBinary:
         found, tried = self._read_indexed(spec, arch)  # only ever indexed for valid archs
@@ -141,7 +170,7 @@ class KernelCache:
         options = compiler.options_for(compiler.parse_arch(arch))
         key = cache_key(source, options, arch)
         dump = _dump_source(source, spec, key)
-        found = self._read(key) if key != tried else None
+        found = self._read_entry_of(spec, arch, key) if key != tried else None
         if found is not None:
             self.stats["disk_hits"] += 1
             self._write_index(spec, arch, key)
@@ -171,35 +200,49 @@ class KernelCache:
 
     # -- disk -------------------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
-        return self.kernels / (key + SUFFIX)
+        return self.kernels / (check_key(key, "cache key") + SUFFIX)
 
     def _read(self, key: str) -> KernelBinary | None:
         path = self.path_of(key)
         try:
-            data = path.read_bytes()
+            return decode_entry(read_regular(path, MAX_ENTRY_BYTES), key)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:
-            log.warning("cache entry %s unreadable (%s): recompiling", path, exc)
-            self.stats["repaired"] += 1
-            return None
-        try:
-            return decode_entry(data, key)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("cache entry %s is bad (%s): recompiling", path, exc)
-            self.stats["repaired"] += 1
+        except BAD_ENTRY as exc:
+            self._bad(path, exc)
             return None
 
+    def _read_entry_of(self, spec: KernelSpec, arch: str, key: str) -> KernelBinary | None:
+        """The entry at ``key`` if it verifies and its header names this very spec and arch."""
+        found = self._read(key)
+        if found is not None and not _describes(found, spec, arch):
+            self._bad(self.path_of(key), "its header names another kernel or arch")
+            return None
+        return found
+
+    def _bad(self, path: Path, problem) -> None:
+        log.warning("cache entry %s is bad (%s): recompiling", path, problem)
+        self.stats["repaired"] += 1
+
     def _write(self, binary: KernelBinary) -> None:
+        """Write one entry. A folder that takes no file turns writes off for this process (one
+        warning); a path that takes none (a directory sits there) costs only that entry."""
         if not self._writable:
             return
+        path = self.path_of(binary.key)
         try:
-            _atomic_write(self.path_of(binary.key), encode_entry(binary))
+            tmp = write_temp(path.parent, encode_entry(binary), SUFFIX)
         except OSError as exc:
             self._writable = False
             warnings.warn(f"nvdnn: kernel cache folder {self.kernels} is not writable ({exc}); "
                           "keeping compiled kernels in memory only (set NVDNN_CACHE_DIR)",
                           NvdnnWarning, stacklevel=4)
+            return
+        try:
+            move_into_place(tmp, path)
+        except OSError as exc:
+            log.warning("cache entry %s cannot be written (%s): kept in memory only; "
+                        "`nvdnn cache verify --repair` clears the path", path, exc)
 
     # -- spec -> key index: a disk hit without rendering or loading NVRTC ----------------------------
     # A new process would otherwise import the NVRTC bindings (~80 ms) and compile a Jinja
@@ -215,14 +258,17 @@ class KernelCache:
     def _read_indexed(self, spec: KernelSpec, arch: str) -> tuple[KernelBinary | None, str | None]:
         """(entry, key tried): the entry only if the index, the toolchain and the entry agree."""
         try:
-            toolchain = compiler.remembered_toolchain(json.loads((self.folder / "toolchain.json").read_text()))
+            toolchain = compiler.remembered_toolchain(
+                loads_bounded(read_regular(self.folder / "toolchain.json", _MAX_RECORD_BYTES)))
             if toolchain is None:
                 return None, None
-            key = self._index_path(spec, arch, toolchain).read_text().strip()
-        except (OSError, ValueError, UnicodeDecodeError):
+            key = read_regular(self._index_path(spec, arch, toolchain), _MAX_INDEX_BYTES).decode().strip()
+        except (OSError, ValueError, CacheError):  # UnicodeDecodeError is a ValueError
             return None, None
-        found = self._read(key) if len(key) == 64 else None
-        if found is None or found.meta.get("spec") != json.loads(json.dumps(spec.to_dict())) or found.arch != arch:
+        if not is_key(key):
+            return None, None
+        found = self._read(key)
+        if found is None or not _describes(found, spec, arch):
             return None, key
         return found, key
 
@@ -231,13 +277,13 @@ class KernelCache:
             return
         toolchain = compiler.toolchain()
         try:
-            _atomic_write(self.folder / "toolchain.json", json.dumps(toolchain, sort_keys=True).encode())
-            _atomic_write(self._index_path(spec, arch, toolchain), key.encode())
+            atomic_write(self.folder / "toolchain.json", json.dumps(toolchain, sort_keys=True).encode())
+            atomic_write(self._index_path(spec, arch, toolchain), key.encode())
         except OSError:
             pass  # the index is an accelerator only
 
     def entries(self) -> Iterator[tuple[Path, KernelBinary | None, str]]:
-        """Every file of the store as (path, entry or None, problem)."""
+        """Every file of the store as (path, entry or None, problem); reads only regular files."""
         if not self.kernels.is_dir():
             return
         for path in sorted(self.kernels.iterdir()):
@@ -247,96 +293,37 @@ class KernelCache:
             if path.suffix != SUFFIX:
                 continue
             try:
-                yield path, decode_entry(path.read_bytes(), path.stem), ""
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                key = check_key(path.stem, "file name")
+                yield path, decode_entry(read_regular(path, MAX_ENTRY_BYTES), key), ""
+            except BAD_ENTRY as exc:
                 yield path, None, str(exc)
 
     def info(self) -> dict:
         files = list(self.entries())
         return {"folder": str(self.folder), "entries": sum(1 for _, b, _ in files if b),
                 "bad": sum(1 for _, b, _ in files if b is None),
-                "bytes": sum(p.stat().st_size for p, _, _ in files if p.exists()),
+                "bytes": sum(p.lstat().st_size for p, b, _ in files if b),
                 "writable": self._writable, "nvrtc": compiler.nvrtc_version()}
 
-    # -- bundles: a folder's entries as one verified archive -------------------------------------
-    def export_bundle(self, path: str | os.PathLike) -> dict:
-        """Write every valid entry into one tar archive with a manifest (key, uri, arch, NVRTC
-        version, sha256 of each entry file)."""
-        import io
-        import tarfile
-        entries = [(p, b) for p, b, _ in self.entries() if b is not None]
-        manifest = {"schema": SCHEMA, "entries": [
-            {"key": b.key, "uri": b.uri, "arch": b.arch, "nvrtc": b.meta.get("nvrtc", ""),
-             "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p, b in entries]}
-        fd, tmp = tempfile.mkstemp(dir=Path(path).resolve().parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-            for name, data in [("manifest.json", json.dumps(manifest, indent=1).encode())] + [
-                    (p.name, p.read_bytes()) for p, _ in entries]:
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        os.replace(tmp, path)
-        return {"bundle": str(path), "entries": len(entries)}
-
-    def import_bundle(self, path: str | os.PathLike) -> dict:
-        """Verify every entry of a bundle (manifest, checksum, key), then add them all; a bad
-        bundle adds nothing and raises CacheError naming the entry."""
-        import tarfile
-        try:
-            with tarfile.open(path, mode="r:") as tar:
-                members = {m.name: m for m in tar.getmembers()}
-                if any(not m.isfile() or "/" in m.name or m.name.startswith(".") for m in members.values()):
-                    raise CacheError(f"{path}: the bundle holds something other than plain top-level files")
-                files = {name: tar.extractfile(m).read() for name, m in members.items()}
-        except (OSError, tarfile.TarError) as exc:
-            raise CacheError(f"{path}: not a readable bundle ({exc})") from None
-        try:
-            manifest = json.loads(files.pop("manifest.json"))
-            listed = {e["key"]: e for e in manifest["entries"]}
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CacheError(f"{path}: manifest.json missing or malformed ({exc})") from None
-        if manifest.get("schema") != SCHEMA or set(files) != {k + SUFFIX for k in listed}:
-            raise CacheError(f"{path}: the manifest does not list exactly the bundle's entries "
-                             f"(or is schema {manifest.get('schema')!r}, expected {SCHEMA})")
-        for key, item in listed.items():
-            data = files[key + SUFFIX]
-            try:
-                entry = decode_entry(data, key)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CacheError(f"{path}: entry {key} ({item.get('uri')}) is bad: {exc}") from None
-            if hashlib.sha256(data).hexdigest() != item.get("sha256") or entry.uri != item.get("uri"):
-                raise CacheError(f"{path}: entry {key} ({item.get('uri')}) does not match the manifest")
-        for key in listed:
-            _atomic_write(self.path_of(key), files[key + SUFFIX])
-        return {"bundle": str(path), "imported": len(listed)}
-
     def clear(self) -> int:
+        """Remove every entry, bad ones and whatever sits in their place included, and the index."""
         removed = 0
         for path, _, _ in list(self.entries()):
-            path.unlink(missing_ok=True)
+            remove(path)
             removed += 1
         index = self.folder / "index"
-        for path in (index.iterdir() if index.is_dir() else ()):
-            path.unlink(missing_ok=True)
-        (self.folder / "toolchain.json").unlink(missing_ok=True)
+        for path in (list(index.iterdir()) if index.is_dir() and not index.is_symlink() else ()):
+            remove(path)
+        remove(self.folder / "toolchain.json")
         self._by_spec.clear()
         return removed
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder and os.replace: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def _describes(binary: KernelBinary, spec: KernelSpec, arch: str) -> bool:
+    """Whether an entry's header names ``spec`` for ``arch``: a re-sealed entry that names
+    another kernel is not this one's, whatever its key."""
+    return ((binary.arch, binary.uri, binary.entry) == (arch, spec.uri, spec.entry)
+            and binary.meta.get("spec") == json.loads(json.dumps(spec.to_dict())))
 
 
 def _dump_source(source: str, spec: KernelSpec, key: str, fallback: bool = False) -> str | None:

@@ -13,7 +13,9 @@ from pathlib import Path
 from . import __version__, compiler, dtypes
 from . import models
 from . import warm as warming
-from .cache import KernelCache, _atomic_write, check_record_file
+from . import bundle
+from .cache import KernelCache, check_record_file
+from .cache_files import atomic_write, remove
 from .errors import NvdnnError, ValidationError
 from .spec import FAMILIES
 
@@ -125,12 +127,16 @@ def _cmd_warm(args) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(f"warmed {cache.folder} for {', '.join(archs)}: compiled {summary['compiled']}, "
-              f"already cached {summary['cached']}, failed {summary['failed']} in {summary['seconds']:.2f}s")
+              f"already cached {summary['cached']}, failed {summary['failed']}, not written "
+              f"{summary['unwritten']} in {summary['seconds']:.2f}s")
         for failure in report.failed:
             print(f"  FAILED {failure[0]}\n    " + failure[1].replace("\n", "\n    "))
+        if report.unwritten:
+            print(f"  NOT WRITTEN: {len(report.unwritten)} kernels compiled but not stored in {cache.folder} "
+                  "(not writable? set NVDNN_CACHE_DIR), e.g. " + report.unwritten[0])
         if notes:
             print("\n".join(notes))
-    return 1 if report.failed or plan_failed else 0
+    return 1 if report.failed or report.unwritten or plan_failed else 0
 
 
 def _cmd_cache(args) -> int:
@@ -150,7 +156,7 @@ def _cmd_cache(args) -> int:
         folder = Path(args.file).absolute().parent
         if args.action == "export" and not folder.is_dir():
             raise ValidationError(f"cache export: {args.file}: folder {folder} does not exist", arg="file")
-        result = cache.export_bundle(args.file) if args.action == "export" else cache.import_bundle(args.file)
+        result = (bundle.export_bundle if args.action == "export" else bundle.import_bundle)(cache, args.file)
         print(json.dumps(result) if args.json else ", ".join(f"{k} {v}" for k, v in result.items()))
         return 0
     if args.action == "clear":
@@ -175,7 +181,7 @@ def _cmd_cache(args) -> int:
     if args.action == "verify":
         if args.repair:
             for item in bad:
-                (cache.kernels / item["file"]).unlink(missing_ok=True)
+                remove(cache.kernels / item["file"])
         result = {"good": len(rows), "bad": bad, "repaired": bool(args.repair)}
         if args.json:
             print(json.dumps(result, indent=1))
@@ -214,7 +220,7 @@ def _cmd_plan(args) -> int:
     if args.action == "sign":
         if key is None:
             raise NvdnnError("plan sign: give --key-file FILE or set NVDNN_PLAN_KEY_FILE", arg="key_file")
-        _atomic_write(Path(args.blob), plan.sign(blob, key))
+        atomic_write(Path(args.blob), plan.sign(blob, key))
         print(json.dumps({"blob": args.blob, "signed": True}) if args.json else f"{args.blob}: signed")
         return 0
     if args.action == "verify":

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import re
 
+from .cache import KEY_PATTERN
 from .errors import PlanFormatError
 
-KEY = re.compile(r"[0-9a-f]{64}\Z")      # a sha256 hexdigest: kernel keys and image digests
+KEY = KEY_PATTERN   # a sha256 hexdigest, as the cache checks its keys: kernel keys and image digests
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ARCH = re.compile(r"sm_[1-9][0-9]*[af]?\Z")
 MAX_RANK = 32                            # far above any kernel's (pointwise and reductions take 8)
@@ -38,7 +39,7 @@ def text(max_len: int = _MAX_TEXT, pattern: re.Pattern | None = None, what: str 
     def check(value, field):
         if not isinstance(value, str) or not value or len(value) > max_len:
             fail(field, f"{value!r:.80} is not a non-empty string of at most {max_len} characters")
-        if pattern is not None and not pattern.match(value):
+        if pattern is not None and not pattern.fullmatch(value):
             fail(field, f"{value!r:.80} is not {what}")
     return check
 

@@ -28,8 +28,9 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
 
 @dataclass
 class WarmReport:
-    compiled: list[str] = field(default_factory=list)
+    compiled: list[str] = field(default_factory=list)  # compiled and on disk
     cached: list[str] = field(default_factory=list)
+    unwritten: list[str] = field(default_factory=list)  # compiled, but no valid entry reached the disk
     failed: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (kernel, why the arch cannot run it)
     seconds: float = 0.0
@@ -37,6 +38,7 @@ class WarmReport:
     def as_dict(self) -> dict:
         return {"compiled": len(self.compiled), "cached": len(self.cached), "failed": len(self.failed),
                 "failures": [{"kernel": k, "error": e} for k, e in self.failed],
+                "unwritten": len(self.unwritten), "unwritten_kernels": self.unwritten,
                 "skipped": len(self.skipped),
                 "seconds": round(self.seconds, 3)}
 
@@ -98,19 +100,22 @@ def _label(spec: KernelSpec, arch: str) -> str:
     return f"{spec.uri} [{spec.target_arch(arch)}]"
 
 
-def _compile_one(folder: str, spec_json: str, arch: str) -> tuple[str, str]:
-    """Worker: compile one kernel into the cache folder; ('ok' | error text, uri)."""
+def _compile_one(folder: str, spec_json: str, arch: str) -> tuple[str, bool]:
+    """Worker: compile one kernel into the cache folder; (error text or "", whether a valid entry
+    is on disk now: a folder or path that takes no writes leaves the kernel in memory only)."""
     spec = KernelSpec.from_dict(json.loads(spec_json))
+    cache = KernelCache(folder)
     try:
-        KernelCache(folder).get(spec, arch)
-        return "", spec.uri
+        cache.get(spec, arch)
     except NvdnnError as exc:
-        return str(exc), spec.uri
+        return str(exc), False
+    return "", cache.stored(spec, arch)
 
 
 def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int = 0,
          progress: Callable[[int, int, str], None] | None = None) -> WarmReport:
-    """Compile every (spec, arch) not already cached, with ``workers`` processes."""
+    """Compile every (spec, arch) not already on disk, with ``workers`` processes; a kernel
+    compiled but not persisted counts as unwritten, not compiled."""
     started = time.perf_counter()
     report = WarmReport()
     todo = []
@@ -120,31 +125,33 @@ def warm(jobs: list[tuple[KernelSpec, str]], cache: KernelCache, *, workers: int
         if reason:  # a preset spans archs (wgmma on Hopper only): not an error
             report.skipped.append((label, reason))
             continue
-        (report.cached.append(label) if cache.contains(spec, arch) else todo.append((spec, arch)))
+        (report.cached.append(label) if cache.stored(spec, arch) else todo.append((spec, arch)))
     workers = workers or os.cpu_count() or 1
     done = 0
 
-    def finish(error: str, label: str):
+    def finish(error: str, stored: bool, label: str):
         nonlocal done
         done += 1
-        (report.failed.append((label, error)) if error else report.compiled.append(label))
+        if error:
+            report.failed.append((label, error))
+        else:
+            (report.compiled if stored else report.unwritten).append(label)
         if progress:
             progress(done, len(todo), label)
 
     if workers == 1 or len(todo) <= 1:
         for spec, arch in todo:
-            error, _ = _compile_one(str(cache.folder), json.dumps(spec.to_dict()), arch)
-            finish(error, _label(spec, arch))
+            finish(*_compile_one(str(cache.folder), json.dumps(spec.to_dict()), arch), _label(spec, arch))
     else:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=get_context("fork")) as pool:
             futures = {pool.submit(_compile_one, str(cache.folder), json.dumps(spec.to_dict()), arch):
                        _label(spec, arch) for spec, arch in todo}
             for future in as_completed(futures):
                 try:
-                    error, _ = future.result()
+                    error, stored = future.result()
                 except Exception as exc:  # a worker died: report, keep going
-                    error = f"worker failed: {exc}"
-                finish(error, futures[future])
+                    error, stored = f"worker failed: {exc}", False
+                finish(error, stored, futures[future])
     report.seconds = time.perf_counter() - started
     return report
 

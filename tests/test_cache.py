@@ -264,15 +264,15 @@ def test_permission_denied_entry_is_a_miss_that_is_rewritten(cache_dir, spec, mo
     first = KernelCache(cache_dir).get(spec, ARCH)
     cache = KernelCache(cache_dir)
     denied = cache.path_of(first.key)
-    real_read_bytes = Path.read_bytes
+    real_read_regular = kcache.read_regular
 
-    def read_bytes(self):
-        if self == denied:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_read_bytes(self)
+    def read_regular(path, limit):
+        if Path(path) == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_regular(path, limit)
 
     with monkeypatch.context() as mp:
-        mp.setattr(Path, "read_bytes", read_bytes)
+        mp.setattr(kcache, "read_regular", read_regular)
         binary = cache.get(spec, ARCH)
     assert binary == first
     assert cache.stats["compiles"] == 1 and cache.stats["repaired"] >= 1
@@ -500,19 +500,25 @@ def _race_worker(folder: str, spec_dict: dict, arch: str, barrier, results) -> N
         results.put(("error", repr(exc), "", 0))
 
 
-def test_processes_racing_on_one_key_leave_one_valid_entry(tmp_path, spec):
-    folder = tmp_path / "shared"
-    folder.mkdir()
+def race(worker, args: tuple, processes: int) -> list:
+    """Run ``worker(*args, barrier, results)`` in ``processes`` forked processes that start
+    together at the barrier; what each put in ``results``."""
     ctx = multiprocessing.get_context("fork")
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_race_worker, args=(str(folder), spec.to_dict(), ARCH, barrier, results))
-             for _ in range(4)]
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=args + (barrier, results)) for _ in range(processes)]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return outcomes
+
+
+def test_processes_racing_on_one_key_leave_one_valid_entry(tmp_path, spec):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    outcomes = race(_race_worker, (str(folder), spec.to_dict(), ARCH), 4)
     assert [o[0] for o in outcomes] == ["ok"] * 4, outcomes
     assert len({o[1] for o in outcomes}) == 1 and len({o[2] for o in outcomes}) == 1
     assert sum(o[3] for o in outcomes) >= 1
