@@ -115,6 +115,8 @@ def check_chain(steps, inputs, names, params, out, dtype) -> None:
         elif rhs not in operands:
             raise ValidationError(f"steps: {op} takes rhs 'p' (a scalar) or one of the tensor inputs "
                                   f"{sorted(operands) or 'none'}, got {rhs!r}", arg="steps")
+    if not isinstance(params, (list, tuple)):
+        raise ValidationError(f"params: {params!r} is not a sequence of scalars", arg="params")
     if len(params) != len(rules):
         raise ValidationError(f"params: the chain takes {len(rules)} scalars, got {len(params)}", arg="params")
     for value, (op, name, rule) in zip(params, rules):
@@ -177,12 +179,15 @@ def declared(x, declared_type, name: str) -> str:
 
 
 def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtype, bias_axis, alpha, beta,
-                 precision) -> None:
+                 precision, split_k=None) -> None:
     """matmul: known (or declared) data types, shapes that multiply, the epilogue operands, the
     options' rules, scales that are one float32 element on the device."""
     from .kernels import matmul as family
     metas = {role: describe(x, role, typed=False) for role, x in (("a", a), ("b", b), ("bias", bias),
-                                                                  ("residual", residual)) if x is not None}
+                                                                  ("residual", residual)) if x is not None or role in "ab"}
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, (int, np.integer))
+                                or split_k < 1):
+        raise ValidationError(f"split_k: {split_k!r} is not None or an int >= 1 (the K ranges summed)", arg="split_k")
     kinds = {role: declared(x, kind, role) for role, x, kind in (("a", a, a_dtype), ("b", b, b_dtype))
              if isinstance(x.dtype, np.dtype)}
     kinds.update((role, describe(x, role).dtype) for role, x in (("bias", bias), ("residual", residual))

@@ -76,7 +76,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     """
     checks.check_matmul(a, b, bias, residual, a_dtype, b_dtype,
                         {"scale_a": scale_a, "scale_b": scale_b, "scale_out": scale_out, "amax": amax}, out, dtype,
-                        bias_axis, alpha, 1.0 if beta is None else beta, precision)  # before any device work
+                        bias_axis, alpha, 1.0 if beta is None else beta, precision, split_k)  # before any device work
     act = _activation(activation, activation_params)
     device = checks.device()
     cp = arrays.cupy()

@@ -82,7 +82,8 @@ SPECIFIC = {
     "relu": [(("kwargs", {"clip": float("nan")}), ValidationError, ["clip=nan"])],
     "gelu": [(("args", (ROW, "fast")), ValidationError, ["approximate"])],
     "elementwise": [(("args", ([("foo", "")], ROW)), ValidationError, ["unknown op 'foo'"]),
-                    (("args", ([("add", "x3")], ROW, ROW)), ValidationError, ["x3"])],
+                    (("args", ([("add", "x3")], ROW, ROW)), ValidationError, ["x3"]),
+                    (("kwargs", {"params": 2.5}), ValidationError, ["params"])],
     "bias_act": [(("args", (X, C, "swishy")), ValidationError, ["activation"]),
                  (("args", (X, f32(3))), ValidationError, ["bias"])],
     "cast": [(("args", (ROW, "float64")), DTypeError, ["dtype"])],
@@ -99,7 +100,10 @@ SPECIFIC = {
     "avg_pool2d_backward": [(("args", (X, X, 2)), ValidationError, ["'dy'"])],
     "matmul": [(("args", (ROW, f32(8, 16))), ValidationError, ["contracted dims"]),
                (("kwargs", {"precision": "tf33"}), ValidationError, ["precision"]),
-               (("args", (ROW, f32(16, 8).astype(np.float16))), DTypeError, ["share a type"])],
+               (("args", (ROW, f32(16, 8).astype(np.float16))), DTypeError, ["share a type"]),
+               (("kwargs", {"split_k": (1,)}), ValidationError, ["split_k"]),
+               (("kwargs", {"split_k": True}), ValidationError, ["split_k"]),
+               (("args", (ROW, None)), ValidationError, ["b: expected"])],
 }
 
 

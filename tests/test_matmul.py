@@ -185,6 +185,20 @@ def test_split_k_for_skinny_shapes(arch):
     assert splits > 1 and plan.scratch == (splits * 64 * 64 * 4,)
     chunk = int(part.args[-5])   # then y's three strides and alpha
     assert chunk % part.spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
+
+
+@pytest.mark.parametrize("dtype, precision", [("bfloat16", "exact"), ("float32", "tf32"), ("float32", "exact")])
+def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, precision):
+    """A skinny product of a prime K (rows no tensor map reads) or exact float32 (3xTF32):
+    repacked operands, split-K partials and the reduce launch each name their own buffer."""
+    plan = mm.plan_matmul(op(dtype, (7, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90")
+    repacks = [l for l in plan.launches if isinstance(l.spec, RepackSpec)]
+    part, finish = [l for l in plan.launches if not isinstance(l.spec, RepackSpec)]
+    assert part.spec.split and isinstance(finish.spec, mm.MatmulReduceSpec)
+    copies = [l.pointers[0] for l in repacks]
+    assert len(copies) == 2 and part.pointers[1:] == tuple(copies)
+    assert part.pointers[0] == finish.pointers[1] == f"scratch{len(copies)}"
+    assert len(plan.scratch) == len(copies) + 1 and plan.scratch[-1] == int(finish.args[3]) * 7 * 4099 * 4
     assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
                               arch="sm_80").launches) == 1
 

@@ -655,9 +655,11 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
                   sms, split_k)
     if not repacks:
         return plan
-    renamed = {r.pointers[1]: r.pointers[0] for r in repacks}
+    # the GEMM reads the repacked copies; its own scratch (split-K partials) follows theirs
+    renamed = {f"scratch{i}": f"scratch{i + len(scratch)}" for i in range(len(plan.scratch))}
+    renamed.update({r.pointers[1]: r.pointers[0] for r in repacks})
     launches = tuple(l._replace(pointers=tuple(renamed.get(p, p) for p in l.pointers)) for l in plan.launches)
-    return Plan(tuple(repacks) + launches, scratch=tuple(scratch))
+    return Plan(tuple(repacks) + launches, scratch=tuple(scratch) + plan.scratch)
 
 
 def _tma_ok(major, majors, lead, width, align, rows_stride_b) -> bool:
