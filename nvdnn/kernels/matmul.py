@@ -10,11 +10,14 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   mbarriers, one producer warpgroup and one or two consumer warpgroups, a persistent grid
   walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) with A and B
   in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 and fp8 e4m3 /
-  e5m2 (k32) K-major; 16-byte aligned strides and addresses.
+  e5m2 (k32) K-major; 16-byte aligned strides and addresses. An operand it cannot read as it
+  lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as
+  3xTF32 (operands split into tf32 hi / lo planes, one tf32 GEMM over 3K, sums drained into
+  float32). Tiles by a wave model (``_wgmma_tile``); split-K walks the tiles of every K chunk.
 - ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32) fed by ldmatrix from a
   cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
   in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
-- ``simt`` (any arch): float32 FMA on any strides and data types; exact fp32 and the fallback.
+- ``simt`` (any arch): float32 FMA on any strides and data types; small exact fp32 and the fallback.
 
 fp8 inputs are uint8 arrays with a declared type; their per-tensor descale factors (``scale_a``,
 ``scale_b``) and the fp8 output's scale (``scale_out``) are one-element float32 device tensors;
@@ -565,7 +568,8 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     Pointers: "y" (``out_strides``, default packed row-major), "a", "b", then "bias" (1-D: M
     values with ``bias_axis="row"``, N with "col"), "residual" (broadcastable to y), "scale_a",
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
-    quantization, float32). ``precision`` for float32 inputs: "exact" (fp32 FMA) or "tf32"; for fp8
+    quantization, float32). ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32
+    on sm_90 from REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
     inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges summed by a second launch (None: the heuristic decides)."""
@@ -1001,6 +1005,7 @@ def preset() -> list:
             for a_t, b_t in layouts(dt):                                              # every major-ness, batched
                 add(plan_matmul(a_t, b_t, arch=arch))
             add(plan_matmul(op(dt, (64, 16384)), op(dt, (16384, 64), (1, 16384)), arch=arch))  # split-K
+            add(plan_matmul(op(dt, (509, 1021)), op(dt, (1021, 251)), arch=arch))  # rows of a prime K: repacked
             for cand in candidates(next(s for s in specs if isinstance(s, MatmulSpec) and s.a_dtype == dt
                                         and s.kernel == ("wgmma" if arch == "sm_90" else "mma"))):
                 specs.setdefault(cand)
