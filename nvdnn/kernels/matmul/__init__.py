@@ -1,0 +1,37 @@
+"""Matrix multiply with fused epilogues: y = act(alpha * sa * sb * (A @ B) + bias + beta * C) [* so].
+
+A is (..., M, K), B is (..., K, N); batch dims broadcast (NumPy's rule, stride 0 where an operand
+is broadcast) and fold into one kernel batch dim. Transposition is strides: A is K-major (row
+major, stride of K = 1) or M-major, B K-major (the (N, K) weight of a linear layer) or N-major;
+y is written through its strides. Three kernels, one epilogue (templates/common/gemm_epilogue.cuh.j2):
+
+- ``wgmma`` (sm_90a): Hopper's warpgroup MMA on 128-byte-swizzled shared tiles loaded by TMA
+  (a tensor map per operand, built at launch: ``TensorMapArg``), a ring of full / empty
+  mbarriers, one producer warpgroup and one or two consumer warpgroups, a persistent grid
+  walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) with A and B
+  in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 and fp8 e4m3 /
+  e5m2 (k32) K-major; 16-byte aligned strides and addresses. An operand it cannot read as it
+  lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as
+  3xTF32 (operands split into tf32 hi / lo planes, one tf32 GEMM over 3K, sums drained into
+  float32). Tiles by a wave model (``_wgmma_tile``); split-K walks the tiles of every K chunk.
+- ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32) fed by ldmatrix from a
+  cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
+  in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
+- ``simt`` (any arch): float32 FMA on any strides and data types; small exact fp32 and the fallback.
+
+fp8 inputs are uint8 arrays with a declared type; their per-tensor descale factors (``scale_a``,
+``scale_b``) and the fp8 output's scale (``scale_out``) are one-element float32 device tensors;
+``amax`` (a one-element float32 tensor) receives max |y| before quantization, reduced per block
+and merged with one atomicMax on the float bits (zeroed by the plan's first launch).
+"""
+from __future__ import annotations
+
+from .planning import (Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous,
+                       split_count)
+from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
+                    MatmulZeroSpec, unsupported_reason)
+from .tune import candidates, layouts, preset
+
+__all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulReduceSpec",
+           "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "candidates", "geometry", "layouts", "output_shape",
+           "plan_matmul", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

@@ -1,0 +1,376 @@
+"""Matmul kernel specs: the wgmma, mma and simt GEMM kernels, the split-K finish and the amax
+zeroing launch; their fields, validation, uris and render contexts, and which archs run them.
+(The package docstring, nvdnn/kernels/matmul/__init__.py, says what each kernel does.)"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ... import dtypes
+from ...errors import DTypeError, ValidationError
+from ...spec import KernelSpec, one_of
+from .. import pointwise, repack
+
+KERNELS = ("simt", "mma", "wgmma")
+HALF = ("float16", "bfloat16")
+FP8 = ("float8_e4m3", "float8_e5m2")
+IN_DTYPES = ("float32",) + HALF + FP8
+OUT_DTYPES = ("float32",) + HALF + FP8
+EPI_DTYPES = pointwise.DTYPES           # bias and residual
+BIAS = ("", "row", "col")               # row: one value per output row m; col: per column n
+ACCUMULATORS = {False: 128, True: 192}  # accumulator registers a wgmma consumer thread may hold
+PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloat16": ("exact",),
+                     "fp8": ("exact", "fast")}  # plan_matmul's precision, by input type
+A_MAJORS, B_MAJORS = ("k", "m", "any"), ("k", "n", "any")
+TILE_MN = (16, 32, 64, 128, 192, 256)
+TILE_K = (8, 16, 32, 64, 128)
+SMEM_LIMIT = 227 * 1024                 # dynamic shared memory per block on sm_90 (sm_80: 163 KB)
+SMEM_LIMIT_SM80 = 163 * 1024
+INT32_MAX = 2 ** 31 - 1
+DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's size without a device
+_CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
+          "float8_e4m3": "unsigned char", "float8_e5m2": "unsigned char"}
+_PTX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
+
+
+def _size(dtype: str) -> int:
+    return dtypes.BY_NAME[dtype].itemsize
+
+
+def _short(dtype: str) -> str:
+    return dtypes.BY_NAME[dtype].short
+
+
+def _check_epilogue_fields(spec) -> None:
+    one_of(spec.out_dtype, OUT_DTYPES, "out_dtype")
+    one_of(spec.bias, BIAS, "bias")
+    one_of(spec.bias_dtype, ("",) + EPI_DTYPES if spec.bias else ("",), "bias_dtype")
+    one_of(spec.residual, ("",) + EPI_DTYPES, "residual")
+    pointwise.check_epilogue(spec.epilogue)
+    one_of(spec.amax, (False, True), "amax")
+    one_of(spec.scaled, (False, True), "scaled")
+
+
+def _epilogue_uri(spec) -> str:
+    parts = [f"->{_short(spec.out_dtype)}"]
+    if spec.scaled:
+        parts.append("/descale")
+    if spec.bias:
+        parts.append(f"/bias.{spec.bias}.{_short(spec.bias_dtype)}")
+    if spec.residual:
+        parts.append(f"/res.{_short(spec.residual)}")
+    if spec.epilogue:
+        parts.append("/ep=" + ".".join(op + (f"({rhs})" if rhs else "") for op, rhs in spec.epilogue))
+    if spec.amax:
+        parts.append("/amax")
+    return "".join(parts)
+
+
+def _epilogue_context(spec) -> dict:
+    """What templates/common/gemm_epilogue.cuh.j2 needs: types, which parts are on, the chain."""
+    n = pointwise.chain_params(spec.epilogue)
+    return {
+        "out_t": _CTYPE[spec.out_dtype], "out_fp8": _PTX.get(spec.out_dtype, "") if spec.out_dtype in FP8 else "",
+        "out_float": spec.out_dtype == "float32",
+        "bias": spec.bias, "bias_t": _CTYPE[spec.bias_dtype] if spec.bias else "float",
+        "residual": bool(spec.residual), "res_t": _CTYPE[spec.residual] if spec.residual else "float",
+        "amax": spec.amax, "scaled": spec.scaled,
+        "steps": pointwise.chain_steps(spec.epilogue, fast=_size(spec.out_dtype) < 4),
+        "chain_params": ["float a0"] + [f"float p{k}" for k in range(n)],
+        "n_params": n,
+    }
+
+
+def _epilogue_pointers(spec) -> list[str]:
+    """Kernel pointer parameters of the epilogue, after y, a, b (and their roles, in order)."""
+    out = []
+    if spec.bias:
+        out.append("const bias_t* __restrict__ bias")
+    if spec.residual:
+        out.append("const res_t* __restrict__ res")
+    if spec.scaled:
+        out += ["const float* __restrict__ scale_a", "const float* __restrict__ scale_b"]
+    if spec.out_dtype in FP8:
+        out.append("const float* __restrict__ scale_out")
+    if spec.amax:
+        out.append("unsigned* __restrict__ amax")
+    return out
+
+
+def _epilogue_roles(spec) -> tuple:
+    return ((("bias",) if spec.bias else ()) + (("residual",) if spec.residual else ())
+            + (("scale_a", "scale_b") if spec.scaled else ()) + (("scale_out",) if spec.out_dtype in FP8 else ())
+            + (("amax",) if spec.amax else ()))
+
+
+def _epilogue_scalars(spec) -> list[str]:
+    return (["long long c_sm", "long long c_sn", "long long c_sb"]
+            + (["long long r_sm", "long long r_sn", "long long r_sb"] if spec.residual else [])
+            + ["float alpha"] + (["float beta"] if spec.residual else [])
+            + [f"float p{k}" for k in range(pointwise.chain_params(spec.epilogue))])
+
+
+@dataclass(frozen=True)
+class MatmulSpec(KernelSpec):
+    """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
+    the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes)."""
+    family = "matmul"
+    tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
+
+    kernel: str
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    a_major: str                 # "k": A's K stride is 1; "m": its M stride is 1; "any" (simt): strided
+    b_major: str                 # "k": B's K stride is 1 (an (N, K) weight); "n": its N stride is 1
+    precision: str               # float32 inputs: "exact" (simt) or "tf32" (mma); else ""
+    bias: str
+    bias_dtype: str
+    residual: str                # "" or the data type of C in beta * C
+    epilogue: tuple[tuple[str, str], ...]
+    amax: bool
+    scaled: bool                 # fp8 inputs: descale factors scale_a, scale_b
+    split: bool = False          # write fp32 partial sums of a K range (split-K), no epilogue
+    vec: int = 1                 # mma: elements per asynchronous copy (16 bytes or less)
+    bm: int = 128
+    bn: int = 128
+    bk: int = 32
+    stages: int = 3
+    wm: int = 2                  # mma: warps along M; wgmma: consumer warpgroups (each bm / wm rows)
+    wn: int = 4                  # mma: warps along N; wgmma, simt: 1
+    group_m: int = 8             # wgmma: tile rows walked together by the persistent scheduler
+    cluster: int = 1             # wgmma: blocks of a cluster (2: M neighbours share B by TMA multicast)
+    promote: bool = False        # wgmma fp8 / tf32: drain the tensor-core sums into float32 every two K slices
+                                 # (False: fast accumulation, the tensor core's reduced precision throughout)
+
+    @property
+    def template(self) -> str:
+        return f"matmul/{self.kernel}.cu.j2"
+
+    def validate(self) -> None:
+        one_of(self.kernel, KERNELS, "kernel")
+        one_of(self.a_dtype, IN_DTYPES, "a_dtype")
+        one_of(self.b_dtype, IN_DTYPES, "b_dtype")
+        _check_epilogue_fields(self)
+        one_of(self.split, (False, True), "split")
+        one_of(self.promote, (False, True) if self.kernel == "wgmma" and self.a_dtype in FP8 + ("float32",)
+               else (False,), "promote")
+        fp8 = self.a_dtype in FP8
+        if (self.b_dtype in FP8) != fp8 or (not fp8 and self.a_dtype != self.b_dtype):
+            raise DTypeError(f"a_dtype/b_dtype: {self.a_dtype} x {self.b_dtype}: A and B share a type, or are both "
+                             "fp8 (e4m3 / e5m2 in any mix)", arg="b_dtype")
+        if self.scaled != fp8:
+            raise ValidationError("scaled: fp8 inputs take descale factors, other types none", arg="scaled")
+        if self.split and (self.out_dtype != "float32" or self.bias or self.residual or self.epilogue
+                           or self.amax or self.scaled):
+            raise ValidationError("split: partial sums are float32 with no epilogue (the reduce launch applies it)",
+                                  arg="split")
+        for name in ("bm", "bn"):
+            one_of(getattr(self, name), TILE_MN, name)
+        one_of(self.bk, TILE_K, "bk")
+        one_of(self.cluster, (1, 2) if self.kernel == "wgmma" else (1,), "cluster")
+        for name, allowed in (("stages", (1, 2, 3, 4, 5, 6)), ("wm", (1, 2, 4, 8)), ("wn", (1, 2, 4, 8)),
+                              ("group_m", (1, 2, 4, 8, 16)), ("vec", (0, 1, 2, 4, 8, 16))):
+            one_of(getattr(self, name), allowed, name)
+        getattr(self, "_validate_" + self.kernel)()
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValidationError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
+                                  arg="stages")
+
+    def _validate_wgmma(self):
+        width = _size(self.a_dtype)
+        one_of(self.a_major, ("k", "m") if self.a_dtype in HALF else ("k",), "a_major")  # 16-bit: wgmma transposes
+        one_of(self.b_major, ("k", "n") if self.a_dtype in HALF else ("k",), "b_major")
+        one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
+        one_of(self.bm, (64, 128, 256), "bm")
+        one_of(self.bn, (64, 128, 192, 256), "bn")
+        one_of(self.bk, (128 // width,), "bk")  # one 128-byte swizzle row of K per tile row
+        one_of(self.wm, (1, 2), "wm")
+        one_of(self.wn, (1,), "wn")
+        one_of(self.vec, (0,), "vec")
+        one_of(self.stages, (2, 3, 4, 5, 6), "stages")
+        one_of(self.bm // self.wm, (64, 128), "bm")
+        # float32 accumulators a consumer thread holds: the tensor core's, and as many again to
+        # drain them into when promoting (the registers left cap both)
+        held = (self.bm // self.wm // 64) * self.bn // 2 * (2 if self.promote else 1)
+        if held > ACCUMULATORS[bool(self.promote)]:
+            raise ValidationError(f"bn: {self.bm // self.wm} x {self.bn} rows a warpgroup need {held} accumulator "
+                                  f"registers a thread{' (promoting)' if self.promote else ''}, more than "
+                                  f"{ACCUMULATORS[bool(self.promote)]}", arg="bn")
+
+    def _validate_mma(self):
+        if self.a_dtype in FP8:
+            raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
+        one_of(self.a_major, ("k", "m"), "a_major")
+        one_of(self.b_major, ("k", "n"), "b_major")
+        one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
+        one_of(self.bk, (16, 32, 64) if self.a_dtype == "float32" else (32, 64), "bk")
+        one_of(self.stages, (2, 3, 4, 5), "stages")
+        width = _size(self.a_dtype)
+        if self.vec == 0 or self.vec * width > 16:
+            raise ValidationError(f"vec: {self.vec} elements of {width} bytes: 1 to 16 bytes per copy", arg="vec")
+        wtm, wtn = self.bm // self.wm, self.bn // self.wn
+        if self.bm % self.wm or self.bn % self.wn or wtm % 16 or wtn % 16 or wtm * wtn > 64 * 64:
+            raise ValidationError(f"wm/wn: warp tiles {wtm} x {wtn} must be multiples of 16, at most 64 x 64 "
+                                  f"(bm {self.bm}, bn {self.bn})", arg="wm")
+        if self.wm * self.wn not in (1, 2, 4, 8):
+            raise ValidationError("wm/wn: 1 to 8 warps", arg="wm")
+
+    def _validate_simt(self):
+        one_of(self.a_major, A_MAJORS, "a_major")
+        one_of(self.b_major, B_MAJORS, "b_major")
+        one_of(self.precision, ("exact",) if self.a_dtype == "float32" else ("",), "precision")
+        one_of(self.bm, (32, 64, 128), "bm")
+        one_of(self.bn, (32, 64, 128), "bn")
+        one_of(self.bk, (8, 16, 32), "bk")
+        one_of(self.stages, (1,), "stages")
+        one_of((self.wm, self.wn, self.vec), ((1, 1, 1),), "wm")
+        if self.bm * self.bn // 256 > 32:
+            raise ValidationError(f"bm/bn: {self.bm} x {self.bn} gives more than 32 outputs per thread", arg="bm")
+
+    @property
+    def threads(self) -> int:
+        return {"simt": 256, "mma": self.wm * self.wn * 32, "wgmma": (self.wm + 1) * 128}[self.kernel]
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block."""
+        if self.kernel == "wgmma":
+            stage = (self.bm + self.bn) * self.bk * _size(self.a_dtype)
+            return 1024 + self.stages * stage + self.wm * 4 * 2048 + 2 * 8 * self.stages + 16  # + staged output rows
+        if self.kernel == "mma":
+            width = _size(self.a_dtype)
+            pad = 16 // width
+            a = self.bm * (self.bk + pad) if self.a_major == "k" else self.bk * (self.bm + pad)
+            b = self.bn * (self.bk + pad) if self.b_major == "k" else self.bk * (self.bn + pad)
+            return self.stages * (a + b) * width + 16
+        return (self.bm + self.bn) * self.bk * 4 + 16
+
+    @property
+    def launch_smem(self) -> int:
+        """Dynamic shared memory of a launch (the simt kernel's tiles are static)."""
+        return 0 if self.kernel == "simt" else self.smem_bytes
+
+    @property
+    def uri(self) -> str:
+        tile = f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.wm}x{self.wn}"
+        if self.kernel == "wgmma":
+            tile += (f"g{self.group_m}" + (f"c{self.cluster}" if self.cluster > 1 else "")
+                     + ("p" if self.promote else ""))
+        if self.kernel == "mma":
+            tile += f"v{self.vec}"
+        return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}x{_short(self.b_dtype)}.{self.b_major}"
+                + (f"/{self.precision}" if self.precision else "") + ("/split" if self.split else "")
+                + _epilogue_uri(self) + "/" + tile)
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_matmul_" + self.kernel
+
+    def target_arch(self, arch: str) -> str:
+        """wgmma exists only in the arch-specific sm_90a target; a Hopper device runs it."""
+        return "sm_90a" if self.kernel == "wgmma" and arch == "sm_90" else arch
+
+    def render_context(self) -> dict:
+        ctx = _epilogue_context(self)
+        in_t = _CTYPE[self.a_dtype]
+        ctx.update({
+            "kernel": self.kernel, "a_t": in_t, "b_t": _CTYPE[self.b_dtype],
+            "a_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.a_dtype, "f32"),
+            "b_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.b_dtype, "f32"),
+            # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
+            "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
+            "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
+            "a_major": self.a_major, "b_major": self.b_major, "split": self.split,
+            "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
+            "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
+            "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
+            "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
+                               f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
+            + _epilogue_pointers(self),
+            "map_params": ["const __grid_constant__ nvdnn::TmaDesc tma_a", "const __grid_constant__ nvdnn::TmaDesc tma_b"]
+            if self.kernel == "wgmma" else [],
+            "geometry_params": ["int M", "int N", "int K", "int batch", "long long a_sm", "long long a_sk",
+                                "long long a_sb", "long long b_sk", "long long b_sn", "long long b_sb"]
+            + (["int a_bmul", "int b_bmul"] if self.kernel == "wgmma" else [])
+            + (["int k_chunk"] if self.split else []) + _epilogue_scalars(self),
+        })
+        return ctx
+
+
+@dataclass(frozen=True)
+class MatmulReduceSpec(KernelSpec):
+    """Split-K finish: sum the fp32 partials of every K range and apply the epilogue. Pointers:
+    y, scratch0 (the partials), then the epilogue's."""
+    family = "matmul_reduce"
+    template = "matmul/reduce.cu.j2"
+    tile_fields = ("block",)
+
+    out_dtype: str
+    bias: str
+    bias_dtype: str
+    residual: str
+    epilogue: tuple[tuple[str, str], ...]
+    amax: bool
+    scaled: bool
+    block: int = 256
+
+    def validate(self) -> None:
+        _check_epilogue_fields(self)
+        one_of(self.block, (128, 256, 512), "block")
+
+    @property
+    def uri(self) -> str:
+        return "matmul_reduce" + _epilogue_uri(self) + f"/b{self.block}"
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_matmul_reduce"
+
+    def render_context(self) -> dict:
+        ctx = _epilogue_context(self)
+        ctx.update({"block": self.block,
+                    "pointer_params": ["out_t* __restrict__ y", "const float* __restrict__ part"]
+                    + _epilogue_pointers(self),
+                    "geometry_params": ["int M", "int N", "int batch", "int splits"] + _epilogue_scalars(self)})
+        return ctx
+
+
+@dataclass(frozen=True)
+class MatmulZeroSpec(KernelSpec):
+    """Zero the amax slot before the kernels that atomicMax into it. Pointer: amax."""
+    family = "matmul_zero"
+    template = "matmul/zero.cu.j2"
+
+    def validate(self) -> None:
+        pass
+
+    @property
+    def uri(self) -> str:
+        return "matmul_zero"
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_matmul_zero"
+
+    def render_context(self) -> dict:
+        return {}
+
+
+def unsupported_reason(spec, arch: str) -> str | None:
+    """Why ``arch`` cannot run ``spec``, or None."""
+    from ...compiler import arch_number
+    number = arch_number(arch)
+    if isinstance(spec, (MatmulZeroSpec, repack.RepackSpec)):
+        return None
+    if number < 80:
+        return "matmul kernels need sm_80 or later (bfloat16, cp.async, mma.sync)"
+    fp8 = (isinstance(spec, MatmulSpec) and spec.a_dtype in FP8) or spec.out_dtype in FP8
+    if fp8 and number < 89:
+        return f"fp8 (e4m3 / e5m2) needs sm_89 or later (cvt to and from fp8); {arch} has none"
+    if isinstance(spec, MatmulSpec):
+        if spec.kernel == "wgmma" and number != 90:
+            return f"wgmma runs on sm_90a (Hopper) only; {arch} is not Hopper"
+        limit = SMEM_LIMIT if number >= 90 else SMEM_LIMIT_SM80
+        if spec.smem_bytes > limit:
+            return f"{spec.smem_bytes} bytes of shared memory exceed the {limit} of {arch}"
+    return None
