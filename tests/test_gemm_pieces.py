@@ -1,0 +1,80 @@
+"""The GEMM core's shared device pieces (templates/common/) on their own, without a matmul
+kernel around them: each compiles in a small harness for the arch it targets, and the wgmma
+wrapper emits the tensor-core instruction it names for every transpose mode. These are the
+pieces the convolution and attention families will include."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from nvdnn import codegen, compiler
+
+from .test_compile import _cuobjdump
+
+
+def _compile(source: str, arch: str) -> bytes:
+    return compiler.compile_cubin(source, name="piece.cu", options=compiler.options_for(arch)).cubin
+
+
+def _render(text: str, **context) -> str:
+    return codegen.environment().from_string(text).render(**context)
+
+
+def _sass(cubin: bytes, tmp_path) -> str:
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    path = tmp_path / "piece.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+
+
+def test_tile_scheduler_compiles_alone():
+    source = _render('''{% include "common/tile_scheduler.cuh" %}
+extern "C" __global__ void walk(int* out, int tiles_m, int tiles_n, int batch, int K, int k_chunk) {
+  int plane, tm, tn, part, k0, slices;
+  nvdnn::tile_coords<8>(blockIdx.x, tiles_m, tiles_n, plane, tm, tn);
+  nvdnn::split_k_range(plane, part, k0, slices, batch, K, k_chunk, 64, 2);
+  out[blockIdx.x] = ((plane * 131 + tm) * 131 + tn) * 7 + part + k0 + slices;
+}''')
+    for arch in ("sm_80", "sm_90"):
+        assert _compile(source, arch)
+
+
+@pytest.mark.parametrize("trans", [None, (0, 0), (1, 0), (0, 1), (1, 1)])
+def test_wgmma_wrapper_and_descriptors_emit_warpgroup_mma(trans, tmp_path):
+    """tf32 (no transpose immediates) and bf16 with A / B K- or MN-major descriptors."""
+    source = _render('''{% include "common/sm90_wgmma.cuh.j2" %}
+{% from "common/sm90_wgmma.cuh.j2" import wgmma_function %}
+{{ wgmma_function("mma", 64, kind, kind, k, trans) }}
+{% macro desc(mn, offset) %}nvdnn::smem_desc_sw128{{ "_mn(tile + %d, 8192)" % offset if mn else "(tile + %d)" % offset }}{% endmacro %}
+extern "C" __global__ void piece(float* y) {
+  __shared__ __align__(1024) unsigned char tile[2 * 8192];
+  float d[32];
+  for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  nvdnn::wgmma_fence();
+  mma(d, {{ desc(trans and trans[0], 0) }}, {{ desc(trans and trans[1], 8192) }}, 0);
+  nvdnn::wgmma_commit();
+  nvdnn::wgmma_wait<0>();
+  for (int i = 0; i < 32; ++i) y[threadIdx.x * 32 + i] = d[i];
+}''', kind="tf32" if trans is None else "bf16", k=8 if trans is None else 16, trans=trans)
+    sass = _sass(_compile(source, "sm_90a"), tmp_path)
+    assert "HGMMA" in sass and " STL" not in sass
+
+
+def test_tma_and_barrier_pieces_compile_alone():
+    source = _render('''{% include "common/sm90_barrier.cuh" %}
+{% include "common/sm90_tma.cuh" %}
+extern "C" __global__ void piece(const __grid_constant__ nvdnn::TmaDesc map) {
+  __shared__ __align__(1024) unsigned char tile[4 * 8192];
+  __shared__ unsigned long long bar;
+  if (threadIdx.x == 0) {
+    nvdnn::mbar_init(&bar, 1);
+    nvdnn::mbar_fence_init();
+    nvdnn::mbar_expect_tx(&bar, sizeof(tile));
+    nvdnn::tma_load_mn_chunks(tile, &map, 0, 0, 0, 4, 64, 8192, &bar);
+    nvdnn::mbar_wait(&bar, 0);
+  }
+}''')
+    assert _compile(source, "sm_90a")
