@@ -2,9 +2,14 @@
 (a pointwise chain, an anchor op, matmul), on what the host sees of each array: its shape,
 strides and data type. They run on every call before any device work, so a bad argument
 raises the same nvdnn error on every machine, with a GPU or without; they build no graph.
-``device()`` then names the GPU the call runs on, or says that there is none."""
+``device()`` then names the GPU the call runs on, or says that there is none.
+
+A check that passed is remembered by a signature of its arguments (each value with its type,
+each array by its type, shape, strides and data type), so a repeat call costs a dictionary
+lookup: the checks read nothing else, and a call that fails is never remembered."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -21,6 +26,52 @@ from .kernels import pointwise
 # kernel op -> graph op, whose row holds the parameter rules (the reversed ops exist for
 # scalar-first calls such as sub(1.0, x))
 GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
+
+
+PASSED_LIMIT = 4096   # remembered signatures; cleared when full
+_PASSED: dict = {}
+
+
+_PLAIN = frozenset((str, int, float, bool, type(None), bytes, np.float16, np.float32, np.float64, np.int32,
+                    np.int64, np.bool_))
+
+
+def _signature(value):
+    """What a check reads of one argument, hashable: arrays by type, shape, strides and data type;
+    sequences and mappings element by element; every other value with its type (True and 1, 2
+    and 2.0 pass different rules). TypeError / AttributeError: not remembered."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return kind, value
+    if kind is tuple or kind is list:
+        return kind, tuple(map(_signature, value))
+    if kind is dict:
+        return kind, tuple((k, _signature(v)) for k, v in value.items())
+    shape = getattr(value, "shape", None)
+    if shape is not None:  # an array: CuPy, NumPy (objects without .strides are checked every time)
+        if kind is np.ndarray and value.size <= 16:  # small host arrays may stand for values: keep them
+            return kind, shape, value.strides, value.dtype, value.tobytes()
+        return kind, shape, value.strides, value.dtype
+    hash(value)
+    return kind, value
+
+
+def remembered(check):
+    """Run ``check`` once per signature of its arguments; a repeat that passed returns at once."""
+    @functools.wraps(check)
+    def run(*args):
+        try:
+            key = (check, tuple(map(_signature, args)))
+        except (TypeError, AttributeError):  # unhashable or odd values: check every time
+            return check(*args)
+        if key in _PASSED:
+            return None
+        check(*args)
+        if len(_PASSED) >= PASSED_LIMIT:
+            _PASSED.clear()
+        _PASSED[key] = True
+        return None
+    return run
 
 
 class ArrayMeta(NamedTuple):
@@ -90,6 +141,7 @@ def _check_out(out, shape: tuple, allowed) -> None:
         raise ValidationError(f"out: shape {meta.shape} should be {tuple(shape)}", arg="out")
 
 
+@remembered
 def check_chain(steps, inputs, names, params, out, dtype) -> None:
     """A pointwise chain (nvdnn.elementwise and every pointwise op): known ops, tensor operands
     that exist, one scalar per slot within its rule, broadcastable shapes, known data types."""
@@ -128,6 +180,7 @@ def check_chain(steps, inputs, names, params, out, dtype) -> None:
     result_dtype(dtype)
 
 
+@remembered
 def check_anchor(op: str, inputs: dict, attrs: dict, out, dtype) -> None:
     """An anchor op (norms, softmax, reductions, pooling): the inputs its row requires, each an
     array of a type its kernels take, the attributes' rules and the rank and shape rules."""
@@ -145,6 +198,7 @@ def check_anchor(op: str, inputs: dict, attrs: dict, out, dtype) -> None:
     result_dtype(dtype, allowed)
 
 
+@remembered
 def check_batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, eps) -> None:
     """Training batch norm: its row's rules, running statistics on the device, one per channel."""
     check_anchor("batch_norm_training", {"x": x, "gamma": gamma, "beta": beta}, {"eps": eps}, None, None)
@@ -178,6 +232,7 @@ def declared(x, declared_type, name: str) -> str:
     return kind
 
 
+@remembered
 def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtype, bias_axis, alpha, beta,
                  precision, split_k=None) -> None:
     """matmul: known (or declared) data types, shapes that multiply, the epilogue operands, the

@@ -188,3 +188,43 @@ def test_random_bad_arguments_raise_only_nvdnn_errors(data):
         getattr(nvdnn, name)(*args, **kwargs)
     except NvdnnError:
         pass
+
+
+# -- checks remembered per signature ----------------------------------------------------------------
+
+def _expect_checked(call):
+    """``call`` passes its checks: a result on a GPU, a DeviceError without one."""
+    if HAS_GPU:
+        call()
+    else:
+        with pytest.raises(DeviceError):
+            call()
+
+
+def test_a_repeat_call_skips_the_checks_it_passed(monkeypatch):
+    """A call's checks run once per signature (types, shapes, strides, data types, values);
+    a repeat is a dictionary lookup."""
+    from nvdnn import functional_checks as checks
+    monkeypatch.setattr(checks, "_PASSED", {})
+    seen = []
+    real = checks.describe
+    monkeypatch.setattr(checks, "describe", lambda *a, **k: seen.append(a[1]) or real(*a, **k))
+    for _ in range(3):
+        _expect_checked(lambda: nvdnn.layer_norm(ROW, f32(16), f32(16)))
+    assert seen.count("x") == 1
+    _expect_checked(lambda: nvdnn.layer_norm(f32(4, 16), f32(16), f32(16)))   # a new shape: checked again
+    assert seen.count("x") == 2
+
+
+def test_what_a_remembered_check_passed_does_not_pass_a_look_alike():
+    """True and 1, 2 and 2.0, one small host array's values and another's are different
+    signatures; a call that failed is not remembered."""
+    _expect_checked(lambda: nvdnn.sum(ROW, axis=1, keepdims=True))
+    with pytest.raises(ValidationError, match="keepdims"):
+        nvdnn.sum(ROW, axis=1, keepdims=1)
+    _expect_checked(lambda: nvdnn.max_pool2d(X, 2, stride=2))
+    with pytest.raises(ValidationError, match="stride"):
+        nvdnn.max_pool2d(X, 2, stride=2.0)
+    for _ in range(2):
+        with pytest.raises(ValidationError, match="axis"):
+            nvdnn.sum(ROW, axis=5)
