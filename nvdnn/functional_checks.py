@@ -261,14 +261,8 @@ def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtyp
         if role in kinds:
             _allowed(ArrayMeta((), (), kinds[role]), role, family.EPI_DTYPES)
     if "a" in kinds and "b" in kinds:
-        fp8 = kinds["a"] in family.FP8
-        if (kinds["b"] in family.FP8) != fp8 or (not fp8 and kinds["a"] != kinds["b"]):
-            raise DTypeError(f"a_dtype/b_dtype: {kinds['a']} x {kinds['b']}: A and B share a type, or are both "
-                             "fp8 (e4m3 / e5m2 in any mix)", arg="b_dtype")
-        allowed = family.PRECISION_CHOICES["fp8" if fp8 else kinds["a"]]
-        if attrs["precision"] not in allowed:
-            raise ValidationError(f"precision: {precision!r} is not one of {', '.join(allowed)} for {kinds['a']} "
-                                  "inputs", arg="precision")
+        family.check_operand_types(kinds["a"], kinds["b"], "b_dtype")
+        family.check_precision(attrs["precision"], kinds["a"])
     for role, value in scales.items():
         if value is None:
             continue

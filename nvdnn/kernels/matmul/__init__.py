@@ -29,9 +29,9 @@ from __future__ import annotations
 from .planning import (Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous,
                        split_count)
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
-                    MatmulZeroSpec, unsupported_reason)
+                    MatmulZeroSpec, check_operand_types, check_precision, unsupported_reason)
 from .tune import candidates, layouts, preset
 
 __all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulReduceSpec",
-           "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "candidates", "geometry", "layouts", "output_shape",
+           "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "candidates", "check_operand_types", "check_precision", "geometry", "layouts", "output_shape",
            "plan_matmul", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

@@ -14,8 +14,8 @@ from ...errors import DTypeError, UnsupportedError, ValidationError
 from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
-from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, PRECISION_CHOICES,
-                    MatmulReduceSpec, MatmulSpec, MatmulZeroSpec, _epilogue_roles, _size)
+from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
+                    MatmulSpec, MatmulZeroSpec, _epilogue_roles, _size, check_operand_types, check_precision)
 
 # -- launch-time arguments --------------------------------------------------------------------------
 
@@ -207,17 +207,12 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     for name, op in (("a", a), ("b", b)):
         if op.dtype not in IN_DTYPES:
             raise DTypeError(f"{name}: data type {op.dtype} is not one of {', '.join(IN_DTYPES)}", arg=name)
+    check_operand_types(a.dtype, b.dtype, "b")
     fp8 = a.dtype in FP8
-    if (b.dtype in FP8) != fp8 or (not fp8 and a.dtype != b.dtype):
-        raise DTypeError(f"b: data type {b.dtype} does not go with a's {a.dtype}: A and B share a type, or are both "
-                         "fp8 (e4m3 / e5m2)", arg="b")
     out_dtype = out_dtype or ("bfloat16" if fp8 else a.dtype)
     if out_dtype not in OUT_DTYPES:
         raise DTypeError(f"dtype: output type {out_dtype} is not one of {', '.join(OUT_DTYPES)}", arg="dtype")
-    allowed = PRECISION_CHOICES["fp8" if fp8 else a.dtype]
-    if precision not in allowed:
-        raise ValidationError(f"precision: {precision!r} is not one of {', '.join(allowed)} for {a.dtype} inputs",
-                              arg="precision")
+    check_precision(precision, a.dtype)
     one_of(bias_axis, ("row", "col"), "bias_axis")
     epilogue = pointwise.check_epilogue(epilogue, params)
     geo, bstride = geometry(a, b, out_strides, residual)
@@ -269,23 +264,10 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
     repacks, scratch = [], []
-    split = spec.kernel == "wgmma" and a.dtype == "float32" and precision == "exact"   # 3xTF32
-    if spec.kernel == "wgmma":  # operands the tensor maps cannot read: a K-major copy in scratch first
-        for role, dt, major, (rows, s_mn, s_k), align, s_b in (
-                ("a", a.dtype, a_major, (m, a_sm, a_sk), a.align, geo.a[2]),
-                ("b", b.dtype, b_major, (n, b_sn, b_sk), b.align, geo.b[2])):
-            if split or not _wgmma_direct(dt, major, s_mn, s_k, align, s_b):
-                launch, size = repack.plan_repack(dt, geo.batch, rows, k, (s_b, s_mn, s_k), f"scratch{len(scratch)}",
-                                                  role, split=role if split else "")
-                repacks.append(launch)
-                scratch.append(size)
-                pitch = repack.pitch(3 * k if split else k, dt)
-                if role == "a":
-                    a_sm, a_sk, geo = pitch, 1, geo._replace(a=(pitch, 1, rows * pitch if s_b else 0))
-                else:
-                    b_sn, b_sk, geo = pitch, 1, geo._replace(b=(1, pitch, rows * pitch if s_b else 0))
-    if split:
-        geo = geo._replace(k=3 * k)
+    if spec.kernel == "wgmma":
+        repacks, scratch, (a_sm, a_sk), (b_sk, b_sn), geo = _repacks(
+            geo, (a, a_major, a_sm, a_sk), (b, b_major, b_sn, b_sk), three_tf32=precision == "exact"
+            and a.dtype == "float32")
     plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, alpha, beta, params,
                   sms, split_k)
     if not repacks:
@@ -295,6 +277,29 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     renamed.update({r.pointers[1]: r.pointers[0] for r in repacks})
     launches = tuple(l._replace(pointers=tuple(renamed.get(p, p) for p in l.pointers)) for l in plan.launches)
     return Plan(tuple(repacks) + launches, scratch=tuple(scratch) + plan.scratch)
+
+
+def _repacks(geo: Geometry, a_info, b_info, three_tf32: bool) -> tuple:
+    """The repack launches ahead of a wgmma plan: a K-major copy in scratch of each operand no
+    tensor map reads as it lies (both, split into tf32 hi / lo planes over 3K, for 3xTF32), their
+    scratch sizes, and the strides and geometry the GEMM then reads."""
+    launches, sizes, strides = [], [], {}
+    for role, (op, major, s_mn, s_k), rows, s_b in (("a", a_info, geo.m, geo.a[2]), ("b", b_info, geo.n, geo.b[2])):
+        strides[role] = (s_mn, s_k)
+        if not three_tf32 and _wgmma_direct(op.dtype, major, s_mn, s_k, op.align, s_b):
+            continue
+        launch, size = repack.plan_repack(op.dtype, geo.batch, rows, geo.k, (s_b, s_mn, s_k), f"scratch{len(sizes)}",
+                                          role, split=role if three_tf32 else "")
+        launches.append(launch)
+        sizes.append(size)
+        pitch = repack.pitch(3 * geo.k if three_tf32 else geo.k, op.dtype)
+        strides[role] = (pitch, 1)
+        planes = rows * pitch if s_b else 0
+        geo = geo._replace(a=(pitch, 1, planes)) if role == "a" else geo._replace(b=(1, pitch, planes))
+    if three_tf32:
+        geo = geo._replace(k=3 * geo.k)
+    (b_sn, b_sk) = strides["b"]
+    return launches, sizes, strides["a"], (b_sk, b_sn), geo
 
 
 def _tma_ok(major, majors, lead, width, align, rows_stride_b) -> bool:

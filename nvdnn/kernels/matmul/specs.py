@@ -40,6 +40,22 @@ def _short(dtype: str) -> str:
     return dtypes.BY_NAME[dtype].short
 
 
+def check_operand_types(a_dtype: str, b_dtype: str, arg: str) -> None:
+    """A and B share a type, or are both fp8 (any mix of e4m3 and e5m2)."""
+    fp8 = a_dtype in FP8
+    if (b_dtype in FP8) != fp8 or (not fp8 and a_dtype != b_dtype):
+        raise DTypeError(f"{arg}: data type {b_dtype} does not go with a's {a_dtype}: A and B share a type, or are "
+                         "both fp8 (e4m3 / e5m2 in any mix)", arg=arg)
+
+
+def check_precision(precision, a_dtype: str) -> None:
+    """The precisions an input type offers (PRECISION_CHOICES)."""
+    allowed = PRECISION_CHOICES["fp8" if a_dtype in FP8 else a_dtype]
+    if precision not in allowed:
+        raise ValidationError(f"precision: {precision!r} is not one of {', '.join(allowed)} for {a_dtype} inputs",
+                              arg="precision")
+
+
 def _check_epilogue_fields(spec) -> None:
     one_of(spec.out_dtype, OUT_DTYPES, "out_dtype")
     one_of(spec.bias, BIAS, "bias")
@@ -154,11 +170,8 @@ class MatmulSpec(KernelSpec):
         one_of(self.split, (False, True), "split")
         one_of(self.promote, (False, True) if self.kernel == "wgmma" and self.a_dtype in FP8 + ("float32",)
                else (False,), "promote")
-        fp8 = self.a_dtype in FP8
-        if (self.b_dtype in FP8) != fp8 or (not fp8 and self.a_dtype != self.b_dtype):
-            raise DTypeError(f"a_dtype/b_dtype: {self.a_dtype} x {self.b_dtype}: A and B share a type, or are both "
-                             "fp8 (e4m3 / e5m2 in any mix)", arg="b_dtype")
-        if self.scaled != fp8:
+        check_operand_types(self.a_dtype, self.b_dtype, "b_dtype")
+        if self.scaled != (self.a_dtype in FP8):
             raise ValidationError("scaled: fp8 inputs take descale factors, other types none", arg="scaled")
         if self.split and (self.out_dtype != "float32" or self.bias or self.residual or self.epilogue
                            or self.amax or self.scaled):
