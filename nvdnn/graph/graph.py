@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import arrays, compiler, dtypes, fusion, launcher, runtime
+from .. import arrays, callsite, compiler, dtypes, fusion, launcher, runtime
 from ..cache import KernelBinary, default_cache
 from ..errors import DeviceError, DTypeError, UnsupportedError, ValidationError
 from .. import kernels
@@ -57,7 +57,7 @@ class _Launch(NamedTuple):
     slots: tuple          # per pointer argument: ("io", index) or ("ws",) (its view is in the pointers)
     tail: tuple           # the integer and float arguments
     shared_mem: int = 0
-    deferred: bool = False  # the tail holds arguments resolved at launch (launcher.resolve_args)
+    deferred: bool = False  # the tail holds arguments resolved at launch (callsite.resolve)
 
 
 class _GroupRun(NamedTuple):
@@ -813,8 +813,8 @@ def _float64(value, data_type: str) -> np.ndarray:
 def _run_group(run: _GroupRun, bound, stream=None) -> None:
     for launch, pointers in run.launches:
         args = [bound[s[1]] if s[0] == "io" else pointers[i] for i, s in enumerate(launch.slots)]
-        tail = launcher.resolve_args(launch.tail, args) if launch.deferred else launch.tail
-        launch.function(launch.grid, launch.block, (*args, *tail), shared_mem=launch.shared_mem, stream=stream)
+        callsite.launch(launch.function, launch.grid, launch.block, (*args, *launch.tail), launch.shared_mem, stream,
+                        launch.deferred)
 
 
 class CapturedGraph:
