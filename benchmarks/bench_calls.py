@@ -13,7 +13,7 @@ one), and the device time per call that torch.profiler records for nvdnn's and P
 Small rows pass when nvdnn's CuPy call takes no longer than PyTorch's and than the target
 (pointwise 9 us, norms / softmax / pooling / reductions 12 us, matmul 14 us), with ``out=`` no
 longer than PyTorch's ``out=``, and with PyTorch tensors within 2 us of CuPy's. Mid rows are
-reported, not judged. GPU time: ~60 s (--quick, small rows only: ~30 s) after compiles.
+reported, not judged. GPU time: ~90 s (--quick, small rows only: ~45 s) after compiles.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ for bench in ${BENCHES-copy pointwise graph norm reduce pool}; do  # BENCHES="" 
   timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_$bench.py --json "$out/bench_$bench.json" 2>&1 \
     | tee "$out/bench_$bench.log"
 done
-# optional stages. CALLS=quick|full: host cost per call of every entry point (quick: small rows, ~30 s);
+# optional stages. CALLS=quick|full: host cost per call of every entry point (quick: small rows, ~45 s; full ~90 s);
 # SWEEP=quick|full: the memory-bound real-model sweeps (quick ~10 s a family, full ~2 min), SWEEP_FAMILIES=norm,pool
 if [ -n "${CALLS:-}" ]; then
   timeout "${CALLS_TIMEOUT:-150}" python3 benchmarks/bench_calls.py $([ "$CALLS" = quick ] && echo --quick) \
