@@ -59,7 +59,8 @@ _UNARY = {"identity": (lambda t, x: x.clone, False), "neg": (lambda t, x: partia
           "gelu": (lambda t, x: partial(_f(t).gelu, x), False), "silu": (lambda t, x: partial(_f(t).silu, x), False),
           "swish": (lambda t, x: partial(_f(t).silu, x), False),
           "sigmoid": (lambda t, x: partial(t.sigmoid, x), True), "tanh": (lambda t, x: partial(t.tanh, x), True),
-          "elu": (lambda t, x: partial(_f(t).elu, x), False), "softplus": (lambda t, x: partial(_f(t).softplus, x), False)}
+          "elu": (lambda t, x: partial(_f(t).elu, x), False),
+          "softplus": (lambda t, x: partial(_f(t).softplus, x), False)}
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "maximum": "maximum", "minimum": "minimum",
            "power": "pow"}
 _REDUCE = {"sum": lambda t: t.sum, "mean": lambda t: t.mean, "max": lambda t: t.amax, "min": lambda t: t.amin,
@@ -185,7 +186,8 @@ def _map_case(name, size):
                           lambda t, x, g, b: partial(F(t).instance_norm, x, None, None, g, b)),
         "max_pool2d": ((x,), lambda n, x: partial(n.max_pool2d, x, 3, 2, 1),
                        lambda t, x: partial(F(t).max_pool2d, x, 3, 2, 1)),
-        "avg_pool2d": ((x,), lambda n, x: partial(n.avg_pool2d, x, 2, 2), lambda t, x: partial(F(t).avg_pool2d, x, 2, 2)),
+        "avg_pool2d": ((x,), lambda n, x: partial(n.avg_pool2d, x, 2, 2),
+                       lambda t, x: partial(F(t).avg_pool2d, x, 2, 2)),
         "global_avg_pool2d": ((x,), lambda n, x: partial(n.global_avg_pool2d, x),
                               lambda t, x: partial(F(t).adaptive_avg_pool2d, x, 1)),
         "max_pool2d_backward": ((Arr(pooled3), x), lambda n, dy, x: partial(n.max_pool2d_backward, dy, x, 3, 2, 1),
@@ -296,7 +298,8 @@ def cell(r: dict) -> dict:
         return f"{r[key]:.1f}" if key in r else "-"
     c = {"row": r["row"], "nv cupy": us("cupy_us"), "nv +out": us("cupy_out_us"), "nv torch in": us("torch_in_us"),
          "torch": us("torch_us"), "torch +out": us("torch_out_us"), "nv kernel": us("cupy_kernel_us"),
-         "torch kernel": us("torch_kernel_us"), "target": f"{r['target_us']:.0f}" if r["row"].endswith("small") else "-"}
+         "torch kernel": us("torch_kernel_us"),
+         "target": f"{r['target_us']:.0f}" if r["row"].endswith("small") else "-"}
     if "cupy_us" in r and "torch_us" in r:
         c["ratio"] = f"{r['torch_us'] / r['cupy_us']:.2f}x"
     if "error" in r:

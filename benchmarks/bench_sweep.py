@@ -107,7 +107,8 @@ def pointwise_cases():
         _unary("gelu", (16384, 4096)), _unary("gelu", (4096, 11008)), _unary("silu", (8192, 14336)),
         _unary("silu", (1, 14336)), _unary("gelu", (2048, 3072), F32, arg="tanh"), _unary("tanh", (2048, 5120)),
         _unary("relu", RESNET[0], F16), _unary("relu", RESNET[0], F16, "NHWC"), _unary("relu", RESNET[1], F32),
-        _unary("sigmoid", (1000003,), F32), _unary("exp", (4097, 4099), F32), _unary("rsqrt", (8192, 8192), positive=True),
+        _unary("sigmoid", (1000003,), F32), _unary("exp", (4097, 4099), F32),
+        _unary("rsqrt", (8192, 8192), positive=True),
         _unary("neg", (7, 11, 13, 17, 19), F16), _unary("silu", UNET[0], F16, "NHWC"),
         _cast((16384, 4096), F32, BF), _cast((4096, 4096), BF, F32), _cast((32, 64, 112, 112), F32, F16),
         _binary("add", (16384, 4096), (16384, 4096)), _binary("add", (4096, 4096), (4096,)),
@@ -190,7 +191,8 @@ def softmax_cases():
     attention = [_softmax(s, tag="attention") for s in ((32, 2048, 2048), (48, 512, 512), (64, 1024, 1024),
                                                        (16, 4096, 4096), (128, 128, 128), (8, 16, 1, 4096))]
     return vocab + attention + [
-        _softmax((32, 16, 512, 512), F16, tag="attention 4-D"), _softmax((4096, 128256), F32, log=True, tag="fp32 logits"),
+        _softmax((32, 16, 512, 512), F16, tag="attention 4-D"),
+        _softmax((4096, 128256), F32, log=True, tag="fp32 logits"),
         _softmax((1024, 50257), F32, tag="fp32 logits"), _softmax((65536, 64), tag="short rows"),
         _softmax((1000, 1000), F32, tag="odd"), _softmax((4097, 4099), tag="prime"),
         _softmax((3, 7, 1, 65521), log=True, tag="prime"),
@@ -229,7 +231,8 @@ def reduce_cases():
         _reduce("mean", (32, 2048, 7, 7), (2, 3), F16), _reduce("mean", (8, 320, 64, 64), (2, 3), F32),
         _reduce("max", (16, 4096, 4096), 1), _reduce("sum", (3, 1021, 7, 13), (0, 2)),
         _reduce("sum", (2, 1024, 1024, 16), (1, 2), F32), _reduce("mean", (17, 257, 129), 1, F32),
-        _reduce("amax", (16384, 4096), None), _reduce("amax", (8192, 14336), None), _reduce("sum", (1 << 24,), None, F32),
+        _reduce("amax", (16384, 4096), None), _reduce("amax", (8192, 14336), None),
+        _reduce("sum", (1 << 24,), None, F32),
         _reduce("mean", (1000003,), None, F32), _reduce("amax", (1, 4096), None), _reduce("max", (4097, 4099), None),
         _reduce("sum", (32, 1000), -1, F32), _reduce("sum", (4096, 50257), -1, F32),
     ]

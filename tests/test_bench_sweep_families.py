@@ -94,7 +94,8 @@ def test_sets_rotate_only_below_64_mb(bench, harness):
 
 
 def _result(name, ratio, moved=1 << 20, tbs=4.0, ok=True, family="norm"):
-    timing = {f"{who}_{kind}_{unit}": 1.0 for who in ("nv", "pt") for kind in ("call", "kernel") for unit in ("us", "tbs")}
+    timing = {f"{who}_{kind}_{unit}": 1.0 for who in ("nv", "pt") for kind in ("call", "kernel")
+              for unit in ("us", "tbs")}
     return dict(timing, family=family, name=name, inputs="8x8 bf16", ratio=ratio, kernel_ratio=ratio, moved=moved,
                 nv_call_tbs=tbs, ok=ok, err=0.0, tol=1e-2)
 
@@ -105,8 +106,8 @@ def test_summary_targets(harness):
     assert math.isclose(s["geomean"], (1.5 * 1.2 * 1.4) ** (1 / 3))
     assert s["geomean_ok"] and s["worst_ok"] and s["big_ok"] and s["worst_row"] == "b"
     bad = good + [_result("slow big", 1.1, moved=64 << 20, tbs=3.0), _result("below", 0.9),
-                  dict(_result("fast but wrong", 9.0, ok=False), err=0.5), dict(family="norm", name="e", moved=1, inputs="1 f32",
-                                                                                ok=False, error="X: y", tol=1e-2)]
+                  dict(_result("fast but wrong", 9.0, ok=False), err=0.5),
+                  dict(family="norm", name="e", moved=1, inputs="1 f32", ok=False, error="X: y", tol=1e-2)]
     s = harness.summary(bad)["norm"]
     assert (s["slow_big"], s["below_1"], s["wrong"], s["errors"]) == (["slow big"], ["below"], ["fast but wrong"],
                                                                       ["e"])
