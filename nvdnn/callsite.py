@@ -26,6 +26,7 @@ import numpy as np
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
 _REPLAYS: dict = {}
 _LOCAL = threading.local()  # .recording: the Recording of the call under way, if any
+_ACTIVE = 0                 # recordings under way in all threads (most calls need not look further)
 STATS = {"hits": 0, "recorded": 0, "not_kept": 0}
 
 
@@ -137,6 +138,12 @@ def _signature(value, arrays: list, addresses: list):
     16-byte alignment and device (each appended to ``arrays``, its address to ``addresses``);
     streams by handle; every other value with its type (True and 1 differ)."""
     kind = type(value)
+    if kind is _NDARRAY:  # the common case first
+        data = value.data
+        address = data.ptr
+        arrays.append(value)
+        addresses.append(address)
+        return value.shape, value.strides, value.dtype, address & 15, data.device_id
     if kind in _PLAIN:
         if value != value:  # NaN: equal to nothing, so no replay would ever match
             raise _Unreadable
@@ -189,7 +196,7 @@ class _Output(NamedTuple):
 
 
 class Replay(NamedTuple):
-    launches: tuple      # (function, grid, block, sources, shared_mem, deferred) per kernel
+    launches: tuple      # a _Launch per kernel
     outputs: tuple       # _Output per array the call allocated and returned
     scratch: tuple       # bytes per scratch buffer
     result: object       # ("in", i) / ("out", j) / None, or a tuple of those
@@ -236,8 +243,8 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         shape = describe(result)
         ranges.extend(("ws", k, address, address, address + max(size, 1))
                       for k, (address, size) in enumerate(rec.scratch))
-        launches = tuple((function, grid, block, tuple(_source(a, rec, ranges) for a in args), shared_mem,
-                          any(hasattr(a, "resolve") for a in args))
+        launches = tuple(_launch(function, grid, block, tuple(_source(a, rec, ranges) for a in args), shared_mem,
+                                 arrays, outputs)
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
@@ -274,19 +281,72 @@ def _not_kept():
     raise _NotKept
 
 
+_KINDS = {"in": 0, "out": 1, "ws": 2}
+
+
+class _Launch(NamedTuple):
+    """One kernel of a replay: its arguments with the constants in place (wrapped once, so CuPy
+    converts nothing per call) and, per pointer slot, where a call takes it from."""
+    function: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    template: list
+    fills: tuple     # (slot, 0 input | 1 output | 2 scratch, index, byte offset, pass the array itself)
+    deferred: bool   # some arguments resolve at launch (a TMA tensor map)
+    plain: bool      # a CuPy function with no deferred argument: addresses go as CuPy pointer objects
+
+
+def _launch(function, grid, block, sources, shared_mem, arrays, outputs) -> _Launch:
+    from .runtime import DependentFunction
+    deferred = any(s[0] == "c" and hasattr(s[1], "resolve") for s in sources)
+    plain = not deferred and not isinstance(function, DependentFunction)
+    template, fills = [], []
+    for slot, source in enumerate(sources):
+        if source[0] == "c":
+            value = source[1]
+            if plain and isinstance(value, (np.generic, np.ndarray)):
+                value = _CUPY.cuda.function.CNumpyArray(np.asarray(value).reshape(1))
+            template.append(value)
+            continue
+        kind, index, offset = _KINDS[source[0]], source[1], source[2]
+        cupy_array = (reader(type(arrays[index])) is _cupy_meta if kind == 0 else
+                      not outputs[index].torch if kind == 1 else True)
+        whole = plain and offset == 0 and cupy_array  # CuPy reads its own arrays' addresses fastest
+        template.append(None)
+        fills.append((slot, kind, index, offset, whole))
+    return _Launch(function, grid, block, shared_mem, template, tuple(fills), deferred, plain)
+
+
 def _run(replay: Replay, arrays: list, addresses: list, stream):
     """Launch a replay on this call's arrays: allocate its outputs and scratch, fill the pointers."""
     if replay.torch_stream and stream is None:
         stream = _torch_stream(arrays)
     made = [_allocate(o) for o in replay.outputs]
-    places = {"in": addresses, "out": [reader(type(m))(m)[3] for m in made]}
-    if replay.scratch:
-        scratch = [_CUPY.empty(size, _CUPY.uint8) for size in replay.scratch]
-        places["ws"] = [b.data.ptr for b in scratch]
-    for function, grid, block, sources, shared_mem, deferred in replay.launches:
-        args = tuple([s[1] if s[0] == "c" else places[s[0]][s[1]] + s[2] for s in sources])
-        function(grid, block, resolve(args) if deferred else args, shared_mem=shared_mem, stream=stream)
-    return _result(replay.result, arrays, made)
+    scratch = [_CUPY.empty(size, _CUPY.uint8) for size in replay.scratch] if replay.scratch else ()
+    objects = (arrays, made, scratch)
+    places = (addresses, None, None)
+    for launch in replay.launches:
+        args = launch.template.copy()
+        for slot, kind, index, offset, whole in launch.fills:
+            if whole:
+                args[slot] = objects[kind][index]
+            else:
+                if places[kind] is None:
+                    places = _addresses(places, objects, kind)
+                address = places[kind][index] + offset
+                args[slot] = _CUPY.cuda.function.CIntptr(address) if launch.plain else address
+        launch.function(launch.grid, launch.block, resolve(args) if launch.deferred else args,
+                        shared_mem=launch.shared_mem, stream=stream)
+    result = replay.result
+    if result is not None and result[0] == "out":
+        return made[result[1]]
+    return _result(result, arrays, made)
+
+
+def _addresses(places, objects, kind):
+    found = [reader(type(x))(x)[3] for x in objects[kind]]
+    return tuple(found if k == kind else p for k, p in enumerate(places))
 
 
 def _result(shape, arrays, made):
@@ -327,10 +387,13 @@ def _torch_stream(arrays):
 _CUPY = None  # the cupy module, imported at the first call (nvdnn imports without it)
 
 
+_NDARRAY = None  # cupy.ndarray, likewise
+
+
 def _load_cupy():
-    global _CUPY
+    global _CUPY, _NDARRAY
     import cupy
-    _CUPY = cupy
+    _CUPY, _NDARRAY = cupy, cupy.ndarray
     return cupy
 
 
@@ -340,18 +403,29 @@ def fast(function):
     """Give public ``function`` the recorded fast path (see the module's docstring)."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        if getattr(_LOCAL, "recording", None) is not None:  # inside another public call's recording
+        if _ACTIVE and getattr(_LOCAL, "recording", None) is not None:  # inside another call's recording
             return function(*args, **kwargs)
         arrays, addresses = [], []
         try:
-            key = (call, (_CUPY or _load_cupy()).cuda.runtime.getDevice(), _signature(args, arrays, addresses),
-                   tuple([(k, _signature(v, arrays, addresses)) for k, v in kwargs.items()]))
+            key = [call, (_CUPY or _load_cupy()).cuda.runtime.getDevice()]
+            for value in args:
+                key.append(_signature(value, arrays, addresses))
+            for name, value in kwargs.items():
+                key.append(name)
+                key.append(_signature(value, arrays, addresses))
+            key = tuple(key)
             entry = _REPLAYS.get(key)
         except Exception:  # unhashable values; cupy not imported yet; no device: the full path says so
             key, entry = None, None
         if entry is not None:
             spans, replays = entry
-            replay = replays.get(_overlaps(addresses, spans) if len(addresses) > 1 else ())
+            if len(addresses) == 2:  # the common case, inline: None where the two are apart
+                a, b = addresses
+                overlap = (None if a + spans[0][1] <= b + spans[1][0] or b + spans[1][1] <= a + spans[0][0]
+                           else b - a),
+            else:
+                overlap = _overlaps(addresses, spans) if addresses else ()
+            replay = replays.get(overlap)
             if replay is not None:
                 STATS["hits"] += 1
                 return _run(replay, arrays, addresses, kwargs.get("stream"))
@@ -364,12 +438,14 @@ def _record(function, args, kwargs, key, arrays, addresses):
     """The full path, recorded; its replay kept under ``key`` where it accounts for everything."""
     torch_stream = kwargs.get("stream") is None and any(reader(type(x)) is _torch_meta for x in arrays)
     rec = Recording({id(x): i for i, x in enumerate(arrays)})
+    _count_active(+1)
     _LOCAL.recording = rec
     try:
         with (_torch_stream(arrays) if torch_stream else None) or contextlib.nullcontext():
             result = function(*args, **kwargs)
     finally:
         _LOCAL.recording = None
+        _count_active(-1)
     replay = _build(rec, arrays, result, torch_stream) if key is not None else None
     if replay is None:
         STATS["not_kept"] += 1
@@ -383,6 +459,15 @@ def _record(function, args, kwargs, key, arrays, addresses):
     entry[1][_overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
     STATS["recorded"] += 1
     return result
+
+
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _count_active(step: int) -> None:
+    global _ACTIVE
+    with _ACTIVE_LOCK:
+        _ACTIVE += step
 
 
 def clear() -> None:

@@ -48,7 +48,9 @@ class _FakeCupy:
 
     def __init__(self):
         self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                          alloc=lambda n: _Memory(_fresh_address(n)))
+                                          alloc=lambda n: _Memory(_fresh_address(n)),
+                                          function=types.SimpleNamespace(CNumpyArray=lambda a: a[0],
+                                                                         CIntptr=lambda v: np.uint64(v)))
 
     def empty(self, shape, dtype):
         return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
@@ -59,7 +61,7 @@ class Kernel:
         self.calls = []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        self.calls.append(args)
+        self.calls.append(tuple(a.data.ptr if isinstance(a, FakeArray) else a for a in args))
 
 
 @pytest.fixture

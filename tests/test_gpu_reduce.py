@@ -320,7 +320,7 @@ def test_dependent_launches_see_the_kernel_ahead(dtype):
         assert isinstance(launcher.functions(plan, cupy.cuda.runtime.getDevice())[0], runtime.DependentFunction)
     want = src64
     for _ in range(steps):
-        want = ref.batch_norm(want, m64, v64, g64, b64, 1e-3).astype(host_dtype(dtype)).astype(np.float64)
+        want = ref.batch_norm(want, m64, v64, g64, b64, eps=1e-3).astype(host_dtype(dtype)).astype(np.float64)
     extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
     buffers = _like(src, dtype), _like(src, dtype)
 
