@@ -113,8 +113,18 @@ def _cupy_meta(x):
 
 
 def _torch_meta(x):
-    size = x.element_size()
-    return tuple(x.shape), tuple(s * size for s in x.stride()), x.dtype, x.data_ptr(), x.get_device()
+    """The same of a torch tensor, its strides in elements (as torch gives them: cheapest)."""
+    return x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device()
+
+
+def _byte_meta(x):
+    """An array's meta with strides in bytes, whatever its kind."""
+    read = reader(type(x))
+    meta = read(x)
+    if read is _torch_meta:
+        size = x.element_size()
+        meta = (tuple(meta[0]), tuple(s * size for s in meta[1]), *meta[2:])
+    return meta
 
 
 def reader(kind):
@@ -190,7 +200,7 @@ def _overlaps(addresses: list, spans: tuple) -> tuple:
 class _Output(NamedTuple):
     torch: bool
     shape: tuple
-    strides: tuple       # in bytes
+    strides: tuple       # in bytes (CuPy), in elements (torch): as each allocates
     dtype: object
     nbytes: int
 
@@ -218,7 +228,7 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         ranges.append((kind, index, meta[3], meta[3] + low, meta[3] + max(high, 1)))
 
     for i, x in enumerate(arrays):
-        add("in", i, reader(type(x))(x))
+        add("in", i, _byte_meta(x))
 
     def describe(value):
         if value is None:
@@ -231,11 +241,12 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         read = reader(type(value))
         if not read:
             raise _NotKept
-        meta = read(value)
+        meta = _byte_meta(value)
         low, high = _span(meta)
         if low:
             raise _NotKept
-        outputs.append(_Output(read is _torch_meta, *meta[:3], high))
+        torch = read is _torch_meta
+        outputs.append(_Output(torch, meta[0], tuple(value.stride()) if torch else meta[1], meta[2], high))
         add("out", len(outputs) - 1, meta)
         return ("out", len(outputs) - 1)
 
@@ -360,11 +371,14 @@ def _result(shape, arrays, made):
 def _allocate(output: _Output):
     if output.torch:
         import torch
-        size = output.dtype.itemsize
-        return torch.empty_strided(output.shape, tuple(s // size for s in output.strides), dtype=output.dtype,
-                                   device=torch.device("cuda", _CUPY.cuda.runtime.getDevice()))
+        device = _CUPY.cuda.runtime.getDevice()
+        where = _TORCH_DEVICES.get(device) or _TORCH_DEVICES.setdefault(device, torch.device("cuda", device))
+        return torch.empty_strided(output.shape, output.strides, dtype=output.dtype, device=where)
     memory = _CUPY.cuda.alloc(max(output.nbytes, 1))
     return _CUPY.ndarray(output.shape, output.dtype, memory, strides=output.strides)
+
+
+_TORCH_DEVICES: dict = {}
 
 
 _STREAMS: dict = {}
@@ -450,7 +464,7 @@ def _record(function, args, kwargs, key, arrays, addresses):
     if replay is None:
         STATS["not_kept"] += 1
         return result
-    spans = tuple(_span(reader(type(x))(x)) for x in arrays)
+    spans = tuple(_span(_byte_meta(x)) for x in arrays)
     entry = _REPLAYS.get(key)
     if entry is None or entry[0] != spans:
         if len(_REPLAYS) >= PLAN_LIMIT:
