@@ -254,8 +254,9 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         shape = describe(result)
         ranges.extend(("ws", k, address, address, address + max(size, 1))
                       for k, (address, size) in enumerate(rec.scratch))
+        nbytes = sum(end - lo for kind, _, _, lo, end in ranges if kind != "ws")
         launches = tuple(_launch(function, grid, block, tuple(_source(a, rec, ranges) for a in args), shared_mem,
-                                 arrays, outputs)
+                                 arrays, outputs, nbytes)
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
@@ -308,8 +309,17 @@ class _Launch(NamedTuple):
     plain: bool      # a CuPy function with no deferred argument: addresses go as CuPy pointer objects
 
 
-def _launch(function, grid, block, sources, shared_mem, arrays, outputs) -> _Launch:
+DEPENDENT_MIN_BYTES = 64 << 20  # a replay moving less launches dependent kernels the ordinary way
+
+
+def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes: int) -> _Launch:
+    """``nbytes``: what the call's arrays span. Below DEPENDENT_MIN_BYTES its kernels are shorter
+    than the host's cost of a dependent launch (cuLaunchKernelEx through cuda.bindings, about
+    twice CuPy's launch on the H200's host), so back-to-back calls are bound by the host and the
+    overlap a dependent launch buys is worth less than the time it costs."""
     from .runtime import DependentFunction
+    if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
+        function = function.plain
     deferred = any(s[0] == "c" and hasattr(s[1], "resolve") for s in sources)
     plain = not deferred and not isinstance(function, DependentFunction)
     template, fills = [], []
@@ -334,7 +344,7 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     if replay.torch_stream and stream is None:
         stream = _torch_stream(arrays)
     made = [_allocate(o) for o in replay.outputs]
-    scratch = [_CUPY.empty(size, _CUPY.uint8) for size in replay.scratch] if replay.scratch else ()
+    scratch = [_CUPY.cuda.alloc(size) for size in replay.scratch] if replay.scratch else ()  # MemoryPointers
     objects = (arrays, made, scratch)
     places = (addresses, None, None)
     for launch in replay.launches:
@@ -356,7 +366,7 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
 
 
 def _addresses(places, objects, kind):
-    found = [reader(type(x))(x)[3] for x in objects[kind]]
+    found = [x.ptr if kind == 2 else reader(type(x))(x)[3] for x in objects[kind]]
     return tuple(found if k == kind else p for k, p in enumerate(places))
 
 

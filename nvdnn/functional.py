@@ -123,6 +123,10 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
         out_dev = out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0]
     if type(steps) is not tuple:
         steps = tuple(tuple(step) for step in steps)
+    order = _memory_order(xs, out_dev)
+    if order is not None:  # walk the elements in memory order: a channels-last map streams like a packed one
+        xs = [x.transpose(order) for x in xs]
+        out_dev = None if out_dev is None else out_dev.transpose(order)
     key = (steps, dtype, device, len(params), None if out_dev is None else _signature(out_dev),
            *[_signature(x) for x in xs])
     prep = _PREPARED.get(key)
@@ -135,11 +139,29 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
     pointers = (y, *xs)
     callsite.launch(prep.function, prep.grid, prep.block, (*[pointers[i] for i in prep.order], *prep.int_args,
                                                            *map(np.float32, params)), stream=stream)
-    if out is not None and out_dev is not out:
+    if out is not None:
         if isinstance(out, np.ndarray):
-            out[...] = y.get()
+            out[...] = y.transpose(np.argsort(order)).get() if order is not None else y.get()
         return out
+    if order is not None:
+        y = y.transpose(tuple(np.argsort(order)))  # the result in the inputs' layout, as PyTorch keeps it
     return back(y) if back is not None else y
+
+
+def _memory_order(xs, out):
+    """The dims of the result from the largest stride to the smallest (of ``out``, else of the first
+    input holding the whole result), where that is not the dims' own order and every operand has
+    the result's rank; None otherwise."""
+    ndim = xs[0].ndim
+    if ndim < 2 or any(x.ndim != ndim for x in xs):
+        return None
+    if out is not None:
+        ref = out
+    else:
+        ref = max(xs, key=lambda x: x.size)
+    order = sorted(range(ndim), key=lambda d: (-ref.strides[d] if ref.shape[d] > 1 else 0, d))
+    order = [d for d in order if ref.shape[d] > 1] + [d for d in range(ndim) if ref.shape[d] <= 1]
+    return None if order == sorted(order) else tuple(order)
 
 
 def _out_dtype(xs, out, dtype) -> str:

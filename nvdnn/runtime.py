@@ -73,6 +73,7 @@ class DependentFunction:
 
     def __init__(self, plain):
         from cuda.bindings import driver
+        self.plain = plain  # the same kernel, launched the ordinary way (its wait is then a no-op)
         self.ptr = plain.ptr
         self._handle = driver.CUfunction(plain.ptr)
         attr = driver.CUlaunchAttribute()

@@ -262,3 +262,24 @@ def test_more_than_2_pow_31_elements():
     assert not bool(cupy.isnan(y).any()), "n > 2^31: elements left unwritten"
     del x, y
     cupy.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channels_last_maps_keep_their_layout(dtype):
+    """An NHWC map (logical NCHW dims, channels innermost in memory) is walked in memory order:
+    the result is NHWC too, unary, with a per-channel operand, and into an NHWC ``out``."""
+    import cupy
+    x, x64 = random((3, 17, 9, 11), dtype)
+    x, x64 = x.transpose(0, 2, 3, 1).copy().transpose(0, 3, 1, 2), x64  # same values, channels last
+    y = nvdnn.silu(x)
+    assert y.strides == x.strides
+    check(y, ref.silu(x64), dtype, "silu NHWC")
+    b, b64 = random((1, 17, 1, 1), dtype)
+    z = nvdnn.add(x, b)
+    assert z.strides == x.strides
+    check(z, x64 + b64, dtype, "add NHWC + per channel")
+    out = cupy.full((3, 9, 11, 17), np.nan, x.dtype).transpose(0, 3, 1, 2)
+    assert nvdnn.relu(x, out=out) is out
+    check(out, np.maximum(x64, 0), dtype, "relu into an NHWC out")
+    w = nvdnn.relu(x.get())  # a NumPy map round trip keeps its values
+    check(cupy.asarray(w), np.maximum(x64, 0), dtype, "relu NumPy NHWC")
