@@ -97,16 +97,17 @@ def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=Non
         from .compiler import device_arch
         ops = {r: _operand(x) for r, x in xs.items()}
         strides = {r: tuple(s // x.itemsize for s in x.strides) for r, x in grads.items()}
+        arch = device_arch(device)
         plan = family.plan_matmul_backward(ops["dy"], ops["a"], ops["b"], z=ops.get("z"), activation=op,
                                            params=() if act is None else act[1], bias=bool(bias), out_dtype=kind,
                                            da_strides=strides["da"], db_strides=strides["db"], precision=precision,
-                                           arch=device_arch(device))
-        for launch in plan.launches:
-            reason = family.unsupported_reason(launch.spec, device_arch(device))
-            if reason:
-                raise UnsupportedError(f"matmul_backward: {launch.spec.uri}: {reason}")
-        if len(_PLANS) >= _PLAN_LIMIT:
-            _PLANS.pop(next(iter(_PLANS)))
+                                           arch=arch)
+        refused = {l.spec.uri: family.unsupported_reason(l.spec, arch) for l in plan.launches}
+        if any(refused.values()):
+            raise UnsupportedError("matmul_backward: " + "; ".join(f"{uri}: {why}" for uri, why in refused.items()
+                                                                   if why))
+        if len(_PLANS) >= _PLAN_LIMIT:  # a bound, not an LRU: signatures rarely number this many
+            _PLANS.clear()
         _PLANS[key] = plan
     launcher.run(plan, {**xs, **grads}, stream=stream)
     results = []

@@ -138,7 +138,7 @@ def batch_rule(a_shape, b_shape) -> bool:
 
 
 def _check(dy: Operand, a: Operand, b: Operand, z: Operand | None, act: str | None, shape: tuple) -> None:
-    for role, op in (("dy", dy), ("a", a), ("b", b), ("pre_activation", z)):
+    for role, op in (("a", a), ("dy", dy), ("b", b), ("pre_activation", z)):
         if op is None:
             continue
         if op.dtype in FP8 or op.dtype not in DTYPES:
@@ -227,9 +227,9 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
         pointwise.check_epilogue(((act, ""),), params)
     rank, lead = len(shape), shape[:-2]
     da_strides = None if da_strides is None else (0,) * (rank - len(da_strides)) + tuple(da_strides)
+    fold = batch_rule(a.shape, b.shape)
     a, b = _padded(a, rank), _padded(b, rank)
     m, n, k = shape[-2], shape[-1], a.shape[-1]
-    fold = batch_rule(a.shape, b.shape)
     rows = math.prod(lead) * m
     sms = sms or DEFAULT_SMS
     launches, scratch = [], []
