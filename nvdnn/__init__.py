@@ -8,6 +8,7 @@ from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, g
                          maximum, minimum, mul, neg, power, relu, rsqrt, scale, sigmoid, silu, softplus,
                          sqrt, sub, swish, tanh)
 from .functional_matmul import matmul
+from .functional_matmul_backward import matmul_backward
 from .functional_anchors import (amax, avg_pool2d, avg_pool2d_backward, batch_norm, batch_norm_backward,
                                  global_avg_pool2d, group_norm, instance_norm, layer_norm, layer_norm_backward,
                                  log_softmax, log_softmax_backward, max, max_pool2d, max_pool2d_backward, mean,

@@ -185,8 +185,10 @@ def deserialize(blob: bytes, key=None):
         except NvdnnError as exc:
             raise PlanFormatError(str(exc), field=f"groups[{i}].spec") from None
         _same(group["spec"], specs[-1].to_dict(), f"groups[{i}].spec")
-        _field(specs[-1].uri == kernels[group["launches"][0]]["uri"], f"groups[{i}].spec",
-               "does not match its first kernel's uri")
+        # the spec that names the plan: its first launch with a tile (kernels.tile_spec), which a
+        # set-up launch (zeroing an amax slot or counters, a repack) may precede
+        _field(specs[-1].uri in [kernels[j]["uri"] for j in group["launches"]], f"groups[{i}].spec",
+               "does not match any of its kernels' uris")
     try:
         graph = _rebuild(header["graph"], arch)
     except PlanFormatError:

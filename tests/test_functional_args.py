@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import nvdnn
-from nvdnn.errors import DeviceError, DTypeError, NvdnnError, ValidationError
+from nvdnn.errors import DeviceError, DTypeError, NvdnnError, UnsupportedError, ValidationError
 
 
 def _has_gpu() -> bool:
@@ -63,6 +63,7 @@ GOOD = {
     "max_pool2d_backward": ((f32(2, 4, 3, 3), X, 2), {}),
     "avg_pool2d_backward": ((f32(2, 4, 3, 3), X, 2), {}),
     "matmul": ((ROW, f32(16, 8)), {}),
+    "matmul_backward": ((f32(8, 8), ROW, f32(16, 8)), {"bias": True}),
 }
 STEPS = [("add", "x1"), ("gelu", "")]
 
@@ -104,6 +105,11 @@ SPECIFIC = {
                (("kwargs", {"split_k": (1,)}), ValidationError, ["split_k"]),
                (("kwargs", {"split_k": True}), ValidationError, ["split_k"]),
                (("args", (ROW, None)), ValidationError, ["b: expected"])],
+    "matmul_backward": [(("args", (f32(8, 9), ROW, f32(16, 8))), ValidationError, ["dy: shape (8, 9)", "a @ b"]),
+                        (("kwargs", {"activation": "gelu"}), ValidationError, ["pre_activation", "gelu"]),
+                        (("kwargs", {"bias": 1}), ValidationError, ["bias=1"]),
+                        (("args", (f32(2, 8, 8), ROW, f32(2, 16, 8))), UnsupportedError, ["a: batch dims", "sum"]),
+                        (("kwargs", {"out_b": f32(8, 16)}), ValidationError, ["out_b", "(16, 8)"])],
 }
 
 

@@ -400,7 +400,8 @@ register(
 
 
 # -- matmul ---------------------------------------------------------------------------------------
-from ..kernels import matmul  # noqa: E402
+from ..kernels import matmul, pointwise  # noqa: E402
+from .ops import SCHEMAS  # noqa: E402
 
 _MATMUL_ATTRS = (("bias_axis", "col", rules.one_of("col", "row")), ("alpha", 1.0, rules.real()),
                  ("beta", 1.0, rules.real()),
@@ -440,3 +441,42 @@ register(
                                       scale_out=_scale(v, "scale_out") if "scale_out" in v else None),),
              data_types=matmul.FP8, folds=("amax",)),
 )
+
+
+# -- matmul backward: dA, dB (and dbias) of y = act(a @ b + bias); kernels/matmul/backward.py ------------
+_DERIVED = ("identity",) + tuple(pointwise.DERIVATIVES)
+
+
+def _backward_check(a, m):
+    shape = matmul.output_shape(m["a"].dims, m["b"].dims)
+    for role in ("dy", "pre_activation"):
+        if role in m:
+            _need(tuple(m[role].dims) == shape, role, f"has dims {list(m[role].dims)}; needs {list(shape)}, the dims "
+                  "of a @ b")
+    _need(a["activation"] == "identity" or "pre_activation" in m, "pre_activation",
+          f"is needed by activation={a['activation']!r} (the saved z = a @ b + bias)")
+    matmul.batch_rule(m["a"].dims, m["b"].dims)
+
+
+def _matmul_backward(bias: bool) -> AnchorOp:
+    """``matmul_backward`` -> (da, db); ``linear_backward`` -> (da, db, dbias). The activation's
+    parameters are its defaults (nvdnn.matmul_backward takes others)."""
+    def plan(a, o, e):
+        act = None if a["activation"] == "identity" else a["activation"]
+        params = () if act is None else tuple(d for _, d, _ in SCHEMAS[act].params)
+        return matmul.plan_matmul_backward(o["dy"], o["a"], o["b"], z=o.get("pre_activation"), activation=act,
+                                           params=params, bias=bias, out_dtype=e.out_dtype,
+                                           precision=a["precision"], arch=e.arch)
+
+    return AnchorOp(
+        "linear_backward" if bias else "matmul_backward", "matmul", ("dy", "a", "b", "pre_activation?"),
+        ("da", "db", "dbias") if bias else ("da", "db"),
+        (("activation", "identity", rules.one_of(*_DERIVED)), _MATMUL_ATTRS[-1]),
+        lambda a, m: [_packed(m["a"].dims), _packed(m["b"].dims)] + ([_packed(m["dy"].dims[-1:])] if bias else []),
+        plan,
+        lambda a, v: ref.matmul_backward(v["dy"], v["a"], v["b"], bias=bias, activation=a["activation"],
+                                         pre_activation=v.get("pre_activation"))[:3 if bias else 2],
+        epilogue=False, tiles=False, check=_backward_check)
+
+
+register(_matmul_backward(False), _matmul_backward(True))

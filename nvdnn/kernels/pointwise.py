@@ -40,6 +40,11 @@ OPS = {op.name: op for op in (
     OpDef("max", 2), OpDef("min", 2), OpDef("pow", 2),
     OpDef("rsub", 2), OpDef("rdiv", 2), OpDef("rpow", 2),
 )}
+# The derivative of each activation as a unary op of its pre-activation z, with the forward's
+# parameters (templates/common/math.cuh: op_<name>_grad): backward passes chain it with a mul by dy.
+DERIVATIVES = {name: name + "_grad" for name in
+               ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "elu", "softplus")}
+OPS.update((grad, OpDef(grad, 1, OPS[name].params)) for name, grad in DERIVATIVES.items())
 # op(a, b) == REVERSED[op](b, a): how a chain applies an op whose chain operand is the second.
 REVERSED = {"add": "add", "mul": "mul", "max": "max", "min": "min",
             "sub": "rsub", "div": "rdiv", "pow": "rpow", "rsub": "sub", "rdiv": "div", "rpow": "pow"}

@@ -1,11 +1,12 @@
-"""Float64 reference of the fused GEMM: nvdnn.matmul's arguments (``matmul``), and the general
-form with any pointwise epilogue that the graph's matmul node and the tests use (``matmul_chain``)."""
+"""Float64 reference of the fused GEMM: nvdnn.matmul's arguments (``matmul``), the general
+form with any pointwise epilogue that the graph's matmul node and the tests use (``matmul_chain``),
+and its backward (``matmul_backward``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import dtypes
-from .pointwise import _f64, activate, chain
+from .pointwise import GRADIENTS, _f64, activate, chain
 
 
 def matmul_chain(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=1.0, residual=None, epilogue=(), params=(),
@@ -55,3 +56,25 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     if amax is not None:
         amax[...] = top
     return y
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the dims NumPy broadcast ``shape`` along (the gradient of a broadcast)."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    return x.sum(axis=tuple(d for d, size in enumerate(shape) if size == 1 and x.shape[d] != 1), keepdims=True)
+
+
+def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=None, precision="exact",
+                    **activation_params):
+    """nvdnn.matmul_backward in float64: (da, db, dbias or None) of y = act(a @ b + bias) at the
+    saved pre-activation z: dz = dy * act'(z), da = dz @ b^T, db = a^T @ dz (each summed over the
+    batch dims its operand was broadcast along), dbias = the column sums of dz."""
+    dz = _f64(dy)
+    if activation not in (None, "identity"):
+        params = {k: v for k, v in activation_params.items() if v is not None}
+        dz = dz * GRADIENTS[activation](pre_activation, **params)
+    a, b = _f64(a), _f64(b)
+    da = _sum_to(np.matmul(dz, np.swapaxes(b, -1, -2)), a.shape)
+    db = _sum_to(np.matmul(np.swapaxes(a, -1, -2), dz), b.shape)
+    return da, db, (dz.reshape(-1, dz.shape[-1]).sum(axis=0) if bias else None)

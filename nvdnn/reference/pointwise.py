@@ -95,6 +95,50 @@ def softplus(x, beta=1.0, threshold=20.0):
     return np.where(x * beta > threshold, x, soft)
 
 
+# Derivatives of the activations at the pre-activation z (kernels.pointwise.DERIVATIVES)
+def relu_grad(z, negative_slope=0.0, clip=math.inf):
+    z = _f64(z)
+    y = np.where(z > 0, z, z * negative_slope)
+    return np.where(y >= (math.inf if clip is None else clip), 0.0, np.where(z > 0, 1.0, negative_slope))
+
+
+def gelu_grad(z):
+    z = _f64(z)
+    cdf = 0.5 * (1.0 + np.asarray(_erf(z / math.sqrt(2.0)), dtype=np.float64))
+    return cdf + z * np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def gelu_tanh_grad(z):
+    z = _f64(z)
+    k = math.sqrt(2.0 / math.pi)
+    t = np.tanh(k * (z + 0.044715 * z ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * z * z)
+
+
+def sigmoid_grad(z):
+    s = sigmoid(z)
+    return s * (1.0 - s)
+
+
+def silu_grad(z):
+    z, s = _f64(z), sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
+def tanh_grad(z):
+    return 1.0 - np.tanh(_f64(z)) ** 2
+
+
+def elu_grad(z, alpha=1.0):
+    z = _f64(z)
+    return np.where(z > 0, 1.0, alpha * np.exp(np.minimum(z, 0.0)))
+
+
+def softplus_grad(z, beta=1.0, threshold=20.0):
+    z = _f64(z)
+    return np.where(z * beta > threshold, 1.0, sigmoid(beta * z))
+
+
 def add(a, b):
     return _f64(a) + _f64(b)
 
@@ -150,6 +194,12 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: gelu(x, approximate="tanh"),
     "silu": silu, "swish": silu, "sigmoid": sigmoid, "tanh": tanh, "elu": elu, "softplus": softplus,
 }
+
+
+# activation name -> its derivative at the pre-activation (the backward of ``activate``)
+GRADIENTS = {"relu": relu_grad, "gelu": gelu_grad, "gelu_tanh": gelu_tanh_grad, "silu": silu_grad,
+             "swish": silu_grad, "sigmoid": sigmoid_grad, "tanh": tanh_grad, "elu": elu_grad,
+             "softplus": softplus_grad}
 
 
 def activate(y, activation, params):

@@ -57,6 +57,39 @@ __device__ __forceinline__ float op_softplus(float x, float beta, float threshol
   return x * beta > threshold ? x : log1pf(expf(beta * x)) / beta;
 }
 
+// Derivatives of the activations, as functions of the pre-activation z (backward passes:
+// dz = dy * act'(z)). Same precise functions as the forward forms.
+__device__ __forceinline__ float op_relu_grad(float z, float negative_slope, float clip) {
+  const float y = z > 0.0f ? z : z * negative_slope;
+  return y >= clip ? 0.0f : (z > 0.0f ? 1.0f : negative_slope);  // PyTorch: no gradient at the clip
+}
+// Phi(z) + z phi(z)
+__device__ __forceinline__ float op_gelu_grad(float z) {
+  return 0.5f * (1.0f + erff(z * 0.70710678118654752f)) + z * 0.39894228040143268f * expf(-0.5f * z * z);
+}
+// s = 1 / (1 + e^(-2u)) = (1 + tanh u) / 2, u = k (z + c z^3): s + z * 2 s (1 - s) * k (1 + 3 c z^2)
+__device__ __forceinline__ float op_gelu_tanh_grad(float z) {
+  const float k = 0.79788456080286536f;  // sqrt(2 / pi)
+  const float s = __frcp_rn(1.0f + expf(-2.0f * k * fmaf(0.044715f * z, z * z, z)));
+  return fmaf(z * 2.0f * s * (1.0f - s), k * fmaf(0.134145f * z, z, 1.0f), s);
+}
+__device__ __forceinline__ float op_sigmoid_grad(float z) {
+  const float s = __frcp_rn(1.0f + expf(-z));
+  return s * (1.0f - s);
+}
+__device__ __forceinline__ float op_silu_grad(float z) {
+  const float s = __frcp_rn(1.0f + expf(-z));
+  return s * fmaf(z, 1.0f - s, 1.0f);
+}
+__device__ __forceinline__ float op_tanh_grad(float z) {
+  const float t = tanhf(z);
+  return fmaf(-t, t, 1.0f);
+}
+__device__ __forceinline__ float op_elu_grad(float z, float alpha) { return z > 0.0f ? 1.0f : alpha * expf(z); }
+__device__ __forceinline__ float op_softplus_grad(float z, float beta, float threshold) {
+  return z * beta > threshold ? 1.0f : __frcp_rn(1.0f + expf(-beta * z));
+}
+
 __device__ __forceinline__ float op_add(float a, float b) { return a + b; }
 __device__ __forceinline__ float op_sub(float a, float b) { return a - b; }
 __device__ __forceinline__ float op_mul(float a, float b) { return a * b; }

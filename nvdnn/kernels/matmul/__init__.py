@@ -23,15 +23,20 @@ fp8 inputs are uint8 arrays with a declared type; their per-tensor descale facto
 ``scale_b``) and the fp8 output's scale (``scale_out``) are one-element float32 device tensors;
 ``amax`` (a one-element float32 tensor) receives max |y| before quantization, reduced per block
 and merged with one atomicMax on the float bits (zeroed by the plan's first launch).
+
+The backward (dA, dB, dbias through an activation's derivative) plans these GEMMs over strided
+views after one memory-bound dz / dbias pass: ``backward.py``.
 """
 from __future__ import annotations
 
+from .backward import MatmulDactSpec, batch_rule, plan_matmul_backward
 from .planning import (Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous,
                        split_count)
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
                     MatmulZeroSpec, check_operand_types, check_precision, unsupported_reason)
 from .tune import candidates, layouts, preset
 
-__all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulReduceSpec",
-           "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "candidates", "check_operand_types", "check_precision", "geometry", "layouts", "output_shape",
-           "plan_matmul", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]
+__all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulDactSpec",
+           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "batch_rule", "candidates",
+           "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
+           "plan_matmul_backward", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

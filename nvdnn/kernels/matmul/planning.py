@@ -464,7 +464,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     splits = split_count(spec, geo, split_k, sms)
     launches = []
     if req.amax:
-        launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), ()))
+        launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), (np.int32(1),)))
     geometry_args = (np.int32(m), np.int32(n), np.int32(k), np.int32(batch),
                      *_ints(a_sm, a_sk, geo.a[2], b_sk, b_sn, geo.b[2]))
     epi_args = (_ints(c_sm, c_sn, c_sb) + (_ints(*r_strides) if req.residual else ())

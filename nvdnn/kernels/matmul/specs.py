@@ -350,7 +350,8 @@ class MatmulReduceSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class MatmulZeroSpec(KernelSpec):
-    """Zero the amax slot before the kernels that atomicMax into it. Pointer: amax."""
+    """Zero words before the kernels that atomicMax or count into them (the amax slot, split
+    counters). Pointer: the words; argument: their count (np.int32)."""
     family = "matmul_zero"
     template = "matmul/zero.cu.j2"
 
