@@ -12,21 +12,34 @@ constexpr int GRID_COUNTERS = 4096;  // output tiles a split launch may have (ke
 __device__ unsigned int grid_counters[GRID_COUNTERS];
 
 // Every thread of the block calls this after writing its share of the block's partial (plain
-// stores). True, in every thread, for the last of ``arrivals`` blocks at counter ``tile``; that
-// block may then read every other block's partial (bypassing L1: ld_partial).
-__device__ __forceinline__ bool last_to_arrive(unsigned int tile, unsigned int arrivals) {
+// stores). True, in every thread, for the last of ``arrivals`` blocks at ``counter``, which it
+// sets back to zero; that block may then read every other block's partial (ld_partial). The
+// counter may be this module's (last_to_arrive) or one in a plan's scratch, zeroed by the plan.
+__device__ __forceinline__ bool last_to_arrive_at(unsigned int* counter, unsigned int arrivals) {
   __shared__ unsigned int seen;
   __threadfence();  // this thread's partial stores are visible GPU-wide before the count says so
   __syncthreads();
   if (threadIdx.x == 0) {
-    seen = atomicAdd(&grid_counters[tile], 1u);
-    if (seen == arrivals - 1) grid_counters[tile] = 0u;  // every other block has arrived
+    seen = atomicAdd(counter, 1u);
+    if (seen == arrivals - 1) *counter = 0u;  // every other block has arrived
     __threadfence();  // acquire side: the partials are read after the count
   }
   __syncthreads();
   return seen == arrivals - 1;
 }
 
+__device__ __forceinline__ bool last_to_arrive(unsigned int tile, unsigned int arrivals) {
+  return last_to_arrive_at(&grid_counters[tile], arrivals);
+}
+
 // A partial another block wrote during this launch: read from L2, never from a stale L1 line.
 __device__ __forceinline__ float ld_partial(const float* p) { return __ldcg(p); }
+
+// The last block's sum of column ``col`` over ``splits`` partial rows ``pitch`` floats apart, in
+// split order (the same bits whichever block finishes).
+__device__ __forceinline__ float sum_partials(const float* partials, long long pitch, int splits, long long col) {
+  float s = 0.0f;
+  for (int k = 0; k < splits; ++k) s += ld_partial(partials + k * pitch + col);
+  return s;
+}
 }  // namespace nvdnn
