@@ -210,7 +210,7 @@ class Replay(NamedTuple):
     outputs: tuple       # _Output per array the call allocated and returned
     scratch: tuple       # bytes per scratch buffer
     result: object       # ("in", i) / ("out", j) / None, or a tuple of those
-    torch_stream: bool   # torch inputs and no stream given: launch on torch's current stream
+    torch_stream: int    # -1, or the torch input whose device's current torch stream the launches take
 
 
 class _NotKept(Exception):
@@ -260,7 +260,8 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
-    return Replay(launches, tuple(outputs), tuple(size for _, size in rec.scratch), shape, torch_stream)
+    torch_input = next((i for i, x in enumerate(arrays) if reader(type(x)) is _torch_meta), -1) if torch_stream else -1
+    return Replay(launches, tuple(outputs), tuple(size for _, size in rec.scratch), shape, torch_input)
 
 
 def _source(a, rec: Recording, ranges: list):
@@ -341,8 +342,8 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
     """Launch a replay on this call's arrays: allocate its outputs and scratch, fill the pointers."""
-    if replay.torch_stream and stream is None:
-        stream = _torch_stream(arrays)
+    if replay.torch_stream >= 0 and stream is None:
+        stream = _torch_current(arrays[replay.torch_stream].get_device())
     made = [_allocate(o) for o in replay.outputs]
     scratch = [_CUPY.cuda.alloc(size) for size in replay.scratch] if replay.scratch else ()  # MemoryPointers
     objects = (arrays, made, scratch)
@@ -380,7 +381,7 @@ def _result(shape, arrays, made):
 
 def _allocate(output: _Output):
     if output.torch:
-        import torch
+        torch = _torch()
         device = _CUPY.cuda.runtime.getDevice()
         where = _TORCH_DEVICES.get(device) or _TORCH_DEVICES.setdefault(device, torch.device("cuda", device))
         return torch.empty_strided(output.shape, output.strides, dtype=output.dtype, device=where)
@@ -395,19 +396,30 @@ _STREAMS: dict = {}
 
 
 def _torch_stream(arrays):
-    """torch's current stream on the torch inputs' device, as a CuPy stream (one per handle);
-    None where no torch input is on a GPU (the full path then says what is wrong)."""
-    import torch
+    """torch's current stream on the torch inputs' device, as a CuPy stream; None where no
+    torch input is on a GPU (the full path then says what is wrong)."""
     device = next((x.get_device() for x in arrays if reader(type(x)) is _torch_meta and x.get_device() >= 0), None)
-    if device is None:
-        return None
-    handle = torch._C._cuda_getCurrentRawStream(device)
+    return None if device is None else _torch_current(device)
+
+
+def _torch_current(device: int):
+    handle = _torch()._C._cuda_getCurrentRawStream(device)
     stream = _STREAMS.get(handle)
     if stream is None:
         stream = _STREAMS[handle] = _CUPY.cuda.ExternalStream(handle, device)
     return stream
 
 
+def _torch():
+    """torch, imported once a torch tensor has been seen (nvdnn never imports it itself)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+        _TORCH = torch
+    return _TORCH
+
+
+_TORCH = None
 _CUPY = None  # the cupy module, imported at the first call (nvdnn imports without it)
 
 
