@@ -31,7 +31,8 @@ from sweep import Arr, Case, call_us, calls_for, first, input_sets, kernel_us, r
 
 import nvdnn  # noqa: E402
 
-TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0}
+TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
+             "nvdnn.functional_matmul_backward": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -215,6 +216,14 @@ def _matmul(size):
                 lambda t, a, b: partial(t.matmul, a, b), pt_out=True)
 
 
+def _matmul_backward(size):
+    """dA and dB of a @ b from dy: PyTorch's are the two products autograd runs."""
+    m = MATMUL[size]
+    dy, a, b = (Arr((m, m), "bfloat16") for _ in range(3))
+    return Case("calls", "matmul_backward", (dy, a, b), lambda n, dy, a, b: partial(n.matmul_backward, dy, a, b),
+                lambda t, dy, a, b: lambda: (t.matmul(dy, b.T), t.matmul(a.T, dy)))
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -223,7 +232,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
     found, missing = [], []
     for name in [*entry_points(), *EXTRA_ROWS]:
         made = [(size, _pointwise(name, size) or _rows_case(name, size) or _map_case(name, size)
-                 or (_matmul(size) if name == "matmul" else None)) for size in sizes]
+                 or (_matmul(size) if name == "matmul" else None)
+                 or (_matmul_backward(size) if name == "matmul_backward" else None)) for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)
             continue
