@@ -49,8 +49,8 @@ def check_matmul_backward(dy, a, b, pre_activation, bias, activation, outs, dtyp
     checks.result_dtype(dtype)
 
 
-def _operand(x) -> Operand:
-    return Operand(dtypes.of_array(x).name, tuple(x.shape), tuple(s // x.itemsize for s in x.strides),
+def _operand(x, role: str) -> Operand:
+    return Operand(dtypes.of_array(x, arg=role).name, tuple(x.shape), tuple(s // x.itemsize for s in x.strides),
                    arrays.alignment(x.data.ptr))
 
 
@@ -85,7 +85,7 @@ def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=Non
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"dy": dy, "a": a, "b": b, "z": pre_activation})
-    kind = checks.result_dtype(dtype) or dtypes.of_array(xs["a"]).name
+    kind = checks.result_dtype(dtype) or dtypes.of_array(xs["a"], arg="a").name
     grads = {"da": _output(cp, out_a, "out_a", xs["a"].shape, kind, xs),
              "db": _output(cp, out_b, "out_b", xs["b"].shape, kind, xs)}
     if bias:
@@ -96,7 +96,7 @@ def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=Non
     plan = _PLANS.get(key)
     if plan is None:
         from .compiler import device_arch
-        ops = {r: _operand(x) for r, x in xs.items()}
+        ops = {r: _operand(x, r) for r, x in xs.items()}
         strides = {r: tuple(s // x.itemsize for s in x.strides) for r, x in grads.items()}
         arch = device_arch(device)
         plan = family.plan_matmul_backward(ops["dy"], ops["a"], ops["b"], z=ops.get("z"), activation=op,

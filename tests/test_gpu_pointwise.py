@@ -224,9 +224,12 @@ def test_bad_input_names_the_argument():
     with pytest.raises(DTypeError) as info:
         nvdnn.gelu(x, out=cupy.zeros((16, 8), dtype=cupy.int32))
     assert info.value.arg == "out"
-    with pytest.raises(ValidationError) as info:
-        nvdnn.gelu(x, out=poisoned((8, 16), "float32").T)
+    with pytest.raises(ValidationError) as info:  # not packed in any dim order
+        nvdnn.gelu(x, out=poisoned((16, 16), "float32")[:, ::2])
     assert info.value.arg == "out"
+    column_major = poisoned((8, 16), "float32").T  # packed, in the other order: walked in it
+    nvdnn.gelu(x, out=column_major)
+    check(column_major, ref.gelu(x.get()), "float32", "out= packed column-major")
     half = poisoned((16, 8), "float16")
     nvdnn.gelu(x, out=half)  # out= without dtype= casts, as NumPy's same_kind rule
     check(half, ref.gelu(x.get()), "float16", "out= sets the result type")
