@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import call_signature
+from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
+
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
 _REPLAYS: dict = {}
 _LOCAL = threading.local()  # .recording: the Recording of the call under way, if any
@@ -99,102 +102,6 @@ def resolve(args) -> tuple:
     return tuple(out)
 
 
-# -- signatures -------------------------------------------------------------------------------------
-
-_PLAIN = frozenset((str, int, float, bool, type(None), bytes, np.float16, np.float32, np.float64, np.int32,
-                    np.int64, np.bool_))
-_READERS: dict = {}  # array type -> its reader, or False: not an array this path knows
-
-
-def _cupy_meta(x):
-    """(shape, strides in bytes, dtype, address, device) of a CuPy array."""
-    data = x.data
-    return x.shape, x.strides, x.dtype, data.ptr, data.device_id
-
-
-def _torch_meta(x):
-    """The same of a torch tensor, its strides in elements (as torch gives them: cheapest)."""
-    return x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device()
-
-
-def _byte_meta(x):
-    """An array's meta with strides in bytes, whatever its kind."""
-    read = reader(type(x))
-    meta = read(x)
-    if read is _torch_meta:
-        size = x.element_size()
-        meta = (tuple(meta[0]), tuple(s * size for s in meta[1]), *meta[2:])
-    return meta
-
-
-def reader(kind):
-    """How to read an array of type ``kind``: CuPy arrays and torch tensors; anything else
-    (NumPy arrays among them) takes the full path on every call."""
-    found = _READERS.get(kind)
-    if found is None:
-        module = kind.__module__.split(".")[0]
-        found = _cupy_meta if module == "cupy" and kind.__name__ == "ndarray" else (
-            _torch_meta if module == "torch" and kind.__name__ in ("Tensor", "Parameter") else False)
-        _READERS[kind] = found
-    return found
-
-
-class _Unreadable(Exception):
-    """A value the signature cannot capture: the call takes the full path and is not kept."""
-
-
-def _signature(value, arrays: list, addresses: list):
-    """What decides a call's device work, hashable: arrays by type, shape, strides, data type,
-    16-byte alignment and device (each appended to ``arrays``, its address to ``addresses``);
-    streams by handle; every other value with its type (True and 1 differ)."""
-    kind = type(value)
-    if kind is _NDARRAY:  # the common case first
-        data = value.data
-        address = data.ptr
-        arrays.append(value)
-        addresses.append(address)
-        return value.shape, value.strides, value.dtype, address & 15, data.device_id
-    if kind in _PLAIN:
-        if value != value:  # NaN: equal to nothing, so no replay would ever match
-            raise _Unreadable
-        return kind, value
-    if kind is tuple or kind is list:
-        return kind, tuple([_signature(v, arrays, addresses) for v in value])
-    read = _READERS.get(kind)
-    if read is None:
-        read = reader(kind)
-    if read:
-        shape, strides, dtype, address, device = read(value)
-        arrays.append(value)
-        addresses.append(address)
-        return kind, shape, strides, dtype, address & 15, device
-    if kind.__module__.startswith("cupy.cuda") and hasattr(value, "ptr"):  # a CuPy stream
-        return kind, value.ptr
-    raise _Unreadable
-
-
-def _span(meta) -> tuple[int, int]:
-    """Bytes an array reaches below and above its address (negative strides reach below)."""
-    shape, strides, dtype, _, _ = meta
-    if 0 in shape:
-        return 0, 0
-    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-    return low, high + dtype.itemsize
-
-
-def _overlaps(addresses: list, spans: tuple) -> tuple:
-    """For each pair of arrays: None where their bytes are apart, else the distance of their
-    addresses. Part of what a replay must match: an in-place call plans and checks differently."""
-    out = []
-    for i in range(len(addresses)):
-        lo_i, hi_i = addresses[i] + spans[i][0], addresses[i] + spans[i][1]
-        for j in range(i + 1, len(addresses)):
-            lo_j, hi_j = addresses[j] + spans[j][0], addresses[j] + spans[j][1]
-            out.append(addresses[j] - addresses[i] if lo_i < hi_j and lo_j < hi_i else None)
-    return tuple(out)
-
-
 # -- replays ----------------------------------------------------------------------------------------
 
 class _Output(NamedTuple):
@@ -224,11 +131,11 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
     ranges, outputs = [], []  # (kind, index, address, first byte, end)
 
     def add(kind, index, meta):
-        low, high = _span(meta)
+        low, high = span(meta)
         ranges.append((kind, index, meta[3], meta[3] + low, meta[3] + max(high, 1)))
 
     for i, x in enumerate(arrays):
-        add("in", i, _byte_meta(x))
+        add("in", i, byte_meta(x))
 
     def describe(value):
         if value is None:
@@ -241,11 +148,11 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         read = reader(type(value))
         if not read:
             raise _NotKept
-        meta = _byte_meta(value)
-        low, high = _span(meta)
+        meta = byte_meta(value)
+        low, high = span(meta)
         if low:
             raise _NotKept
-        torch = read is _torch_meta
+        torch = read is torch_meta
         outputs.append(_Output(torch, meta[0], tuple(value.stride()) if torch else meta[1], meta[2], high))
         add("out", len(outputs) - 1, meta)
         return ("out", len(outputs) - 1)
@@ -260,7 +167,7 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
-    torch_input = next((i for i, x in enumerate(arrays) if reader(type(x)) is _torch_meta), -1) if torch_stream else -1
+    torch_input = next((i for i, x in enumerate(arrays) if reader(type(x)) is torch_meta), -1) if torch_stream else -1
     return Replay(launches, tuple(outputs), tuple(size for _, size in rec.scratch), shape, torch_input)
 
 
@@ -269,7 +176,7 @@ def _source(a, rec: Recording, ranges: list):
     offset from that array's address), or ("c", value), a constant. Raises _NotKept for a
     device array no array of the call accounts for."""
     kind = type(a)
-    if reader(kind) is _cupy_meta:
+    if reader(kind) is cupy_meta:
         index = rec.inputs.get(id(a), rec.views.get(id(a)))
         if index is not None:
             return ("in", index, 0)
@@ -332,7 +239,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
             template.append(value)
             continue
         kind, index, offset = _KINDS[source[0]], source[1], source[2]
-        cupy_array = (reader(type(arrays[index])) is _cupy_meta if kind == 0 else
+        cupy_array = (reader(type(arrays[index])) is cupy_meta if kind == 0 else
                       not outputs[index].torch if kind == 1 else True)
         whole = plain and offset == 0 and cupy_array  # CuPy reads its own arrays' addresses fastest
         template.append(None)
@@ -398,7 +305,7 @@ _STREAMS: dict = {}
 def _torch_stream(arrays):
     """torch's current stream on the torch inputs' device, as a CuPy stream; None where no
     torch input is on a GPU (the full path then says what is wrong)."""
-    device = next((x.get_device() for x in arrays if reader(type(x)) is _torch_meta and x.get_device() >= 0), None)
+    device = next((x.get_device() for x in arrays if reader(type(x)) is torch_meta and x.get_device() >= 0), None)
     return None if device is None else _torch_current(device)
 
 
@@ -423,13 +330,11 @@ _TORCH = None
 _CUPY = None  # the cupy module, imported at the first call (nvdnn imports without it)
 
 
-_NDARRAY = None  # cupy.ndarray, likewise
-
-
 def _load_cupy():
-    global _CUPY, _NDARRAY
+    global _CUPY
     import cupy
-    _CUPY, _NDARRAY = cupy, cupy.ndarray
+    _CUPY = cupy
+    call_signature.NDARRAY = cupy.ndarray
     return cupy
 
 
@@ -445,10 +350,10 @@ def fast(function):
         try:
             key = [call, (_CUPY or _load_cupy()).cuda.runtime.getDevice()]
             for value in args:
-                key.append(_signature(value, arrays, addresses))
+                key.append(signature(value, arrays, addresses))
             for name, value in kwargs.items():
                 key.append(name)
-                key.append(_signature(value, arrays, addresses))
+                key.append(signature(value, arrays, addresses))
             key = tuple(key)
             entry = _REPLAYS.get(key)
         except Exception:  # unhashable values; cupy not imported yet; no device: the full path says so
@@ -460,7 +365,7 @@ def fast(function):
                 overlap = (None if a + spans[0][1] <= b + spans[1][0] or b + spans[1][1] <= a + spans[0][0]
                            else b - a),
             else:
-                overlap = _overlaps(addresses, spans) if addresses else ()
+                overlap = overlaps(addresses, spans) if addresses else ()
             replay = replays.get(overlap)
             if replay is not None:
                 STATS["hits"] += 1
@@ -472,7 +377,7 @@ def fast(function):
 
 def _record(function, args, kwargs, key, arrays, addresses):
     """The full path, recorded; its replay kept under ``key`` where it accounts for everything."""
-    torch_stream = kwargs.get("stream") is None and any(reader(type(x)) is _torch_meta for x in arrays)
+    torch_stream = kwargs.get("stream") is None and any(reader(type(x)) is torch_meta for x in arrays)
     rec = Recording({id(x): i for i, x in enumerate(arrays)})
     _count_active(+1)
     _LOCAL.recording = rec
@@ -486,13 +391,13 @@ def _record(function, args, kwargs, key, arrays, addresses):
     if replay is None:
         STATS["not_kept"] += 1
         return result
-    spans = tuple(_span(_byte_meta(x)) for x in arrays)
+    spans = tuple(span(byte_meta(x)) for x in arrays)
     entry = _REPLAYS.get(key)
     if entry is None or entry[0] != spans:
         if len(_REPLAYS) >= PLAN_LIMIT:
             _REPLAYS.pop(next(iter(_REPLAYS)))
         entry = _REPLAYS[key] = (spans, {})
-    entry[1][_overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
+    entry[1][overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
     STATS["recorded"] += 1
     return result
 

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from nvdnn import callsite
+from nvdnn import call_signature, callsite
 
 
 class _Memory:
@@ -69,7 +69,7 @@ def toy(monkeypatch):
     """A fast entry point y = f(x [, bias]) with a scratch buffer; counts its full path."""
     monkeypatch.setattr(callsite, "_CUPY", _FakeCupy())
     monkeypatch.setattr(callsite, "_REPLAYS", {})
-    monkeypatch.setitem(callsite._READERS, FakeArray, callsite._cupy_meta)
+    monkeypatch.setitem(call_signature.READERS, FakeArray, call_signature.cupy_meta)
     kernel, counts = Kernel(), {"full path": 0}
 
     @callsite.fast
