@@ -127,7 +127,7 @@ def autotune(graph, variant_pack, workspace=None, *, repeat: int = 20, warmup: i
     graph.build_plans("all")
     db, arch, device = TuningDB(), graph._arch(), _device_name()
     report = []
-    from .graph.graph import _run_group
+    from .graph.execution import _run_group
     for index, specs in enumerate(graph.candidates):
         timings, rejected, expected = {}, {}, None
         for c, spec in enumerate(specs):

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, event, given, settings, strategies a
 
 import nvdnn
 from nvdnn.errors import DTypeError, ValidationError
-from nvdnn.graph.graph import WORKSPACE_ALIGN
+from nvdnn.graph.execution import WORKSPACE_ALIGN
 from nvdnn.graph.ops import SCHEMAS
 from nvdnn.kernels import pointwise
 
