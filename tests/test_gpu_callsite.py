@@ -208,3 +208,35 @@ def test_a_repeat_graph_execute_skips_the_checks_and_stays_exact():
         for name, y in outs.items():
             np.testing.assert_allclose(y.get(), want[name], rtol=1e-4, atol=1e-5, err_msg=f"{name}, execute {trial}")
     assert len(g._repeats) == 2
+
+
+def test_a_several_kernel_execute_on_the_same_arrays_becomes_one_graph_launch():
+    import cupy
+
+    from nvdnn.graph import execution
+
+    from .graphs import three_kernel_graph
+    g = three_kernel_graph(rows=9, width=700, dtype="float32")
+    g.build()
+    workspace = cupy.empty(max(g.get_workspace_size(), 1), cupy.uint8)
+    rng = np.random.default_rng(11)
+    pack = {t.name: cupy.empty(t.dims, cupy.float32) for t in g._io}
+    inputs = [t.name for t in g._io if t.producer is None]
+    for trial in range(5):  # new values in the same arrays each time: a graph launch reads them
+        host = {name: rng.uniform(-2, 2, pack[name].shape).astype(np.float32) for name in inputs}
+        for name in inputs:
+            pack[name].set(host[name])
+        for t in g._io:
+            if t.producer is not None:
+                pack[t.name].fill(np.nan)
+        g.execute(pack, workspace)
+        want = {**host, **{t.name: np.empty(t.dims) for t in g._io if t.producer is not None}}
+        g.execute(want, backend="numpy")
+        for t in g._io:
+            if t.producer is not None:
+                np.testing.assert_allclose(pack[t.name].get(), want[t.name], rtol=1e-4, atol=1e-5,
+                                           err_msg=f"{t.name}, execute {trial}")
+    (entry,) = g._repeats.values()
+    graphs = entry[2]
+    assert len(graphs) == 1 and next(iter(graphs.values()))[1] is not None
+    assert execution.GRAPH_AFTER <= 5

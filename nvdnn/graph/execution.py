@@ -54,10 +54,12 @@ class Execution:
         key, values = self._repeat_key(variant_pack, workspace)
         repeat = self._repeats.get(key) if key is not None else None
         if repeat is not None:  # checked and planned before: place the arrays and launch
-            order, runs = repeat
+            order, runs, graphs = repeat
             bound = [None] * len(order)
             for slot, value in zip(order, values):
                 bound[slot] = value
+            if graphs is not None and _replayed(graphs, runs, bound, values, stream):
+                return
             for run in runs:
                 _run_group(run, bound, stream)
             return
@@ -76,7 +78,8 @@ class Execution:
             if len(set(order)) == len(order):
                 if len(self._repeats) >= PREPARED_LIMIT:
                     self._repeats.pop(next(iter(self._repeats)))
-                self._repeats[key] = (order, runs)
+                several = sum(len(run.launches) for run in runs) > 1
+                self._repeats[key] = (order, runs, {} if several else None)
 
     def _repeat_key(self, variant_pack, workspace):
         """What decides a repeat execute's launches, read cheaply: each pack entry's name and its
@@ -379,6 +382,54 @@ class Execution:
                 cuda_graph = stream.end_capture()
         kernels = sum(len(run.launches) for run in self._launches(bound, workspace))
         return CapturedGraph(cuda_graph, stream, kernels, (bound, workspace))
+
+
+GRAPH_AFTER = 2   # executes of a several-kernel graph on the same arrays before they run as one CUDA graph
+GRAPHS_KEPT = 8   # CUDA graphs a repeat signature keeps (by the arrays' addresses)
+
+
+def _replayed(graphs: dict, runs, bound, values, stream) -> bool:
+    """Run a several-kernel execute as one CUDA graph launch where the same arrays (addresses)
+    came GRAPH_AFTER times: one launch from the host instead of one per kernel. False: launch
+    the kernels one by one (not yet; inside a capture or a recorded functional call)."""
+    if callsite.recording() is not None:
+        return False
+    cp = arrays.cupy()
+    target = stream if stream is not None else cp.cuda.get_current_stream()
+    addresses = tuple(v.data.ptr for v in values)
+    found = graphs.get(addresses)
+    if found is None:
+        if len(graphs) >= GRAPHS_KEPT:
+            graphs.pop(next(iter(graphs)))
+        found = graphs[addresses] = [0, None]
+    if found[1] is None:
+        found[0] += 1
+        if found[0] < GRAPH_AFTER or target.is_capturing():
+            return False
+        found[1] = _capture(runs, bound)
+        if found[1] is None:
+            found[0] = -(1 << 30)  # this driver would not capture it: launch one by one from now on
+            return False
+    elif target.is_capturing():
+        return False
+    found[1].launch(target)
+    return True
+
+
+def _capture(runs, bound):
+    """The runs' launches recorded on a side stream as a CUDA graph (nothing runs); None where
+    the capture fails."""
+    cp = arrays.cupy()
+    side = cp.cuda.Stream(non_blocking=True)
+    with side:
+        side.begin_capture()
+        try:
+            for run in runs:
+                _run_group(run, bound, side)
+        except Exception:
+            side.end_capture()
+            return None
+        return side.end_capture()
 
 
 def _fp8_bytes(array, data_type: str) -> bool:
