@@ -286,8 +286,9 @@ def test_more_than_2_pow_31_elements():
 
 # -- long rows on sm_90: the persistent cluster (bulk copies into shared memory) ---------------------
 
-# Whole 16-byte vectors persist; odd lengths (262151, 100003) take the other paths. 256 rows: 16
-# rows per cluster, both stages and both pushed-statistics slots cycle many times.
+# 16-bit rows persist up to 8 blocks of 32768 elements, odd lengths too (100003: shifted vectors);
+# 262151 is past that reach. 256 rows: 16 rows per cluster, both stages and both pushed-statistics
+# slots cycle many times.
 LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144)]
 
 
@@ -298,10 +299,10 @@ def sm90():
 
 
 def persists(plan, dtype: str, L: int) -> bool:
-    """Whether the heuristic took the persistent cluster, checked where it must: 16-bit rows of
-    whole vectors up to 8 blocks of 32768 elements."""
+    """Whether the heuristic took the persistent cluster, checked where it must: 16-bit rows up
+    to 8 blocks of 32768 elements (a shifted row spans up to (L + 7) / 8 vectors)."""
     split = plan.launches[0].spec.split
-    if dtype != "float32" and L % 8 == 0 and L <= 262144:
+    if dtype != "float32" and -(-(L + (7 if L % 8 else 0)) // 8) <= 32768:
         assert split == "persist", plan.launches[0].spec.uri
     return split == "persist"
 
@@ -398,3 +399,101 @@ def test_persistent_grid_is_what_the_device_holds():
         assert grid == (min(launch.grid[0], active * tile.cluster), 1, 1), (tile.uri, grid, active)
         if name == "NVIDIA H200":
             assert active == norm.PERSIST_CLUSTERS[tile.cluster], (tile.uri, active)
+
+
+# -- rows of any length: aligned 16-byte vectors clipped to rows that start anywhere -----------------
+
+# (rows, L): odd lengths, primes and vocabulary sizes (fewer rows as they grow); rows of each
+# start at every place within a vector
+ODD = [(5, 1), (9, 3), (33, 7), (17, 127), (9, 1021), (6, 4099), (3, 32000), (3, 50257), (2, 128256)]
+
+
+def targets(L: int):
+    """The portable plan, and the device's where it differs (long rows: a persistent cluster)."""
+    return (None, arch()) if L > 16384 else (None,)
+
+
+def shifted(plan, L: int) -> None:
+    """Rows of odd length read 16-byte vectors (shifted), not elements one at a time."""
+    spec = plan.launches[-1].spec
+    assert spec.vec > 1 and spec.shift == (L % spec.vec != 0), spec.uri
+
+
+@pytest.mark.parametrize("rows,L", ODD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_norms(rows, L, dtype):
+    x, x64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    b, b64 = uniform((L,), dtype, -0.5, 0.5)
+    r, r64 = random((rows, L), dtype)
+    h64 = (x64.astype(np.float32) + r64.astype(np.float32)).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)
+    for target in targets(L):
+        shifted(layer_norm_with_stats((x, x64), (g, g64), (b, b64), dtype, target), L)
+        y, rstd = poisoned((rows, L), dtype), poisoned((rows,), "float32")
+        plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), save_stats=True, eps=1e-6, arch=target)
+        shifted(plan, L)
+        run(plan, y=y, x=x, gamma=g, rstd=rstd)
+        want, want_rstd = ref.rms_norm(x64, g64, eps=1e-6, return_stats=True)
+        what = f"rms_norm {rows}x{L} {plan.launches[0].spec.uri}"
+        check(y, want, dtype, what)
+        check(rstd, want_rstd, "float32", what + " rstd")
+        y, h = poisoned((rows, L), dtype), poisoned((rows, L), dtype)
+        plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), residual=operand(r),
+                                    write_sum=True, epilogue=[("relu", "")], params=(0.0, np.inf), arch=target)
+        run(plan, y=y, x=x, residual=r, h=h, gamma=g, beta=b)
+        what = f"relu(layer_norm(x + r)) {rows}x{L} {plan.launches[0].spec.uri}"
+        check(h, h64, dtype, what + " h")
+        check(y, ref.relu(ref.layer_norm(h64, g64, b64)), dtype, what)
+
+
+@pytest.mark.parametrize("rows,L", ODD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_softmax(rows, L, dtype):
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    mask, mask64 = random((rows, L), dtype, -2.0, 2.0)
+    for target in targets(L):
+        for log in (False, True):
+            f = ref.log_softmax if log else ref.softmax
+            y = poisoned((rows, L), dtype)
+            plan = norm.plan_softmax(operand(x), -1, log=log, arch=target)
+            shifted(plan, L)
+            run(plan, y=y, x=x)
+            check(y, f(x64), dtype, f"{'log_' if log else ''}softmax {rows}x{L} {plan.launches[0].spec.uri}")
+            # x as (Sq, Sk) = (rows, L): causal, with a full additive mask
+            y = poisoned((rows, L), dtype)
+            plan = norm.plan_softmax(operand(x), -1, log=log, mask=operand(mask), causal=True, arch=target)
+            shifted(plan, L)
+            run(plan, y=y, x=x, mask=mask)
+            check(y, f(x64, mask=mask64, causal=True), dtype,
+                  f"{'log_' if log else ''}softmax mask + causal {rows}x{L} {plan.launches[0].spec.uri}")
+
+
+@pytest.mark.parametrize("rows,L", ODD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_backward(rows, L, dtype):
+    import cupy
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    dy, dy64 = random((rows, L), dtype)
+    for log in (False, True):
+        y = poisoned((rows, L), dtype)
+        run(norm.plan_softmax(operand(x), -1, log=log), y=y, x=x)
+        y64 = y.get().astype(np.float64)
+        dx = poisoned((rows, L), dtype)
+        plan = norm.plan_softmax_backward(operand(dy), operand(y), -1, log=log)
+        shifted(plan, L)
+        run(plan, dx=dx, dy=dy, y=y)
+        backward = ref.log_softmax_backward if log else ref.softmax_backward
+        check_scaled(dx, backward(dy64, y64), dtype, f"{'log_' if log else ''}softmax backward {rows}x{L} "
+                     f"{plan.launches[-1].spec.uri}")
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    _, mean64, rstd64 = ref.layer_norm(x64, eps=1e-5, return_stats=True)
+    mean, rstd = cupy.asarray(mean64.astype(np.float32)), cupy.asarray(rstd64.astype(np.float32))
+    dx, dgamma, dbeta = poisoned((rows, L), dtype), poisoned((L,), dtype), poisoned((L,), dtype)
+    plan = norm.plan_layer_norm_backward(operand(dy), operand(x), 1, mean=operand(mean), rstd=operand(rstd),
+                                         gamma=operand(g), beta=operand(g))
+    run(plan, dx=dx, dy=dy, x=x, mean=mean, rstd=rstd, gamma=g, dgamma=dgamma, dbeta=dbeta)
+    want_dx, want_dg, want_db = ref.layer_norm_backward(dy64, x64, mean64, rstd64, g64, g64)
+    what = f"layer_norm backward {rows}x{L} {plan.launches[0].spec.uri}"
+    check_scaled(dx, want_dx, dtype, what + " dx")
+    check_scaled(dgamma, want_dg, dtype, what + " dgamma")
+    check_scaled(dbeta, want_db, dtype, what + " dbeta")

@@ -323,13 +323,50 @@ def test_vectors_follow_alignment_length_and_strides():
     assert norm.plan_layer_norm(op("float16", 8, 4096, align=4), 1, gamma=gamma).launches[0].spec.vec == 2
     assert norm.plan_layer_norm(op("float16", 8, 4096), 1, gamma=gamma, out_align=2).launches[0].spec.vec == 1
     assert norm.plan_layer_norm(op("float16", 8, 4096), 1, out_dtype="float32").launches[0].spec.vec == 8
-    assert norm.plan_layer_norm(op("float16", 8, 12), 1).launches[0].spec.vec == 4
-    assert norm.plan_layer_norm(op("float16", 8, 7), 1).launches[0].spec.vec == 1
+    # rows of any length shift: 16-byte vectors, clipped to the row
+    for L in (1, 7, 12, 4099):
+        spec = norm.plan_layer_norm(op("float16", 8, L), 1, gamma=op("float16", L)).launches[0].spec
+        assert (spec.vec, spec.shift) == (8, True), L
+    assert not norm.plan_layer_norm(op("float16", 8, 4096), 1).launches[0].spec.shift
+    # every operand's row must start where the output's does within a vector: a row pitch that
+    # differs from L by an odd count reads element by element; by 4, four at a time, aligned
+    padded = Operand("bfloat16", (8, 50257), (50304, 1))
+    assert (norm.plan_softmax(padded, -1).launches[0].spec.vec, norm.plan_softmax(padded, -1).launches[0].spec.shift) \
+        == (1, False)
+    # a (Sq, Sk) mask broadcast over heads starts where x's rows do when Sq * Sk is a multiple of 8
+    spec = norm.plan_softmax(op("bfloat16", 2, 3, 100, 130), -1, mask=op("bfloat16", 100, 130)).launches[0].spec
+    assert (spec.vec, spec.shift) == (8, True)
+    # the backward norm keeps a thread's columns across rows: it does not shift
+    st = op("float32", 8)
+    spec = norm.plan_layer_norm_backward(op("float16", 8, 4099), op("float16", 8, 4099), 1, mean=st, rstd=st,
+                                         gamma=op("float16", 4099)).launches[0].spec
+    assert (spec.vec, spec.shift) == (1, False)
     sliced = Operand("float16", (8, 4096), (4100, 1))  # rows of a wider tensor: 4100 is not a multiple of 8
     assert norm.plan_layer_norm(sliced, 1).launches[0].spec.vec == 4
     strided = Operand("float32", (8, 100), (1, 8))  # a transposed view: elements 8 apart
     spec = norm.plan_softmax(strided, -1).launches[0].spec
     assert (spec.vec, spec.access) == (1, "s")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_odd_rows_take_one_vectorized_kernel(dtype):
+    """Rows of any length run the single-pass kernels on 16-byte vectors: one launch up to a
+    block's reach (every arch), a block or a persistent cluster on sm_90 for vocabulary sizes."""
+    vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    for L in (1, 3, 7, 127, 1021, 4099, 8191):
+        x, g = op(dtype, 64, L), op(dtype, L)
+        for plan in (norm.plan_softmax(x, -1), norm.plan_softmax(x, -1, log=True), norm.plan_softmax_backward(x, x, -1),
+                     norm.plan_layer_norm(x, 1, gamma=g, beta=g), norm.plan_rms_norm(x, 1, gamma=g)):
+            (launch,) = plan.launches
+            assert (launch.spec.vec, launch.spec.shift, launch.spec.split) == (vec, L % vec != 0, "none"), \
+                (L, launch.spec.uri)
+    for rows, L in ((4096, 50257), (8, 128256), (16, 32000), (2, 50257)):
+        x, g = op(dtype, rows, L), op(dtype, L)
+        for plan in (norm.plan_softmax(x, -1, arch="sm_90"), norm.plan_softmax(x, -1, log=True, arch="sm_90"),
+                     norm.plan_rms_norm(x, 1, gamma=g, arch="sm_90")):
+            (launch,) = plan.launches
+            assert launch.spec.split in ("none", "persist") and (launch.spec.vec, launch.spec.shift) == (
+                vec, L % vec != 0), (rows, L, launch.spec.uri)
 
 
 def test_lead_dims_coalesce_per_operand():
@@ -414,8 +451,9 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
     """How often each (row, vector) is handled by the output pass of a row launch (numpy emulation
     of templates/norm/rows.cu.j2 locate() and the backward loop)."""
     spec = launch.spec
-    nvecs = L // spec.vec
-    count = np.zeros((rows, nvecs), dtype=np.int64)
+    shift = np.arange(rows) * L % spec.vec if spec.shift else np.zeros(rows, dtype=np.int64)
+    nvr = (shift + L + spec.vec - 1) // spec.vec if spec.shift else np.full(rows, L // spec.vec)
+    count = np.zeros((rows, L), dtype=np.int64)
     blocks, threads = np.meshgrid(np.arange(launch.grid[0]), np.arange(launch.block[0]), indexing="ij")
     assert launch.block[0] == spec.block
     if spec.split == "none":
@@ -433,13 +471,18 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
         r = first + r0
         for k in range(spec.nv):
             q = q0 + k * spec.tpr
-            keep = (r < rows) & (q < nvecs)
-            np.add.at(count, (r[keep], q[keep]), 1)
+            keep = r < rows
+            keep[keep] &= q[keep] < nvr[r[keep]]
+            for j in range(spec.vec):  # vector q holds row elements q * vec - shift .. + vec - 1
+                e = q[keep] * spec.vec - shift[r[keep]] + j
+                inside = (e >= 0) & (e < L)
+                np.add.at(count, (r[keep][inside], e[inside]), 1)
     return count
 
 
 @pytest.mark.parametrize("rows,L", [(1, 1), (7, 1), (3, 7), (1000, 7), (5, 1000), (2, 65537), (9, 4096), (65, 128),
-                                    (3, 262144), (2, 40000), (300, 65536)])
+                                    (3, 262144), (2, 40000), (300, 65536), (9, 4099), (5, 50257), (3, 127),
+                                    (40, 3)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_element_is_covered_once(rows, L, dtype):
     x, g, st = op(dtype, rows, L), op(dtype, L), op("float32", rows)
@@ -453,7 +496,7 @@ def test_every_element_is_covered_once(rows, L, dtype):
                 assert launch.grid[0] * norm.WGRAD_COLUMNS >= L
                 continue
             if launch.spec.split in ("none", "cluster", "persist"):
-                assert launch.spec.capacity >= L
+                assert launch.spec.capacity >= L + (launch.spec.vec - 1 if launch.spec.shift else 0)
             count = _cover(launch, rows, L)
             assert (count == 1).all(), f"{launch.spec.uri}: counts {np.unique(count)}"
 
@@ -506,7 +549,7 @@ def warmed(tmp_path_factory):
 
 def test_preset_covers_every_op_dtype_and_strategy():
     specs = norm.preset()
-    assert 100 <= len(specs) <= 300
+    assert 100 <= len(specs) <= 400
     assert {s.family for s in specs} == {"norm", "norm_bwd", "norm_wgrad", "softmax", "softmax_bwd", "softmax_cols"}
     rows = [s for s in specs if isinstance(s, norm.RowSpec)]
     assert {s.split for s in rows} == {"none", "cluster", "persist", "stats", "apply"}
@@ -547,7 +590,8 @@ def sass(warmed, tmp_path_factory):
         f = e.meta["spec"]["fields"]
         if f.get("vec") != 8 or "bf16" not in uri or f.get("split") == "stats":
             continue
-        picks.setdefault((e.meta["family"], f.get("split"), arch), e)
+        # rows that start anywhere (shift) too: their body vectors must stay 128-bit accesses
+        picks.setdefault((e.meta["family"], f.get("split"), f.get("shift"), arch), e)
 
     def dump(e):
         path = folder / f"{e.key}.cubin"
@@ -562,6 +606,8 @@ def sass(warmed, tmp_path_factory):
 def test_main_kernels_use_128_bit_loads_and_stores(sass):
     families = {uri.split("/")[0] for uri, _ in sass}
     assert families >= {"norm", "norm_bwd", "softmax", "softmax_bwd", "softmax_cols"}
+    shifted = {uri.split("/")[0] + (".ps" if ".ps" in uri else "") for uri, _ in sass if uri.endswith(".shift")}
+    assert shifted >= {"norm", "norm.ps", "softmax", "softmax.ps", "softmax_bwd"}
     for (uri, arch), text in sass.items():
         load = "LDS.128" if ".ps" in uri else "LDG.E.128"  # persistent: rows land in shared memory
         assert load in text, f"{uri} [{arch}]: no 128-bit {load}"

@@ -88,24 +88,44 @@ def _row_layout(shape, tail: int, operands: dict) -> _Rows:
                  estride, access)
 
 
-def _pick_vec(first: str, layout: _Rows, operands: dict, extra) -> int:
+class Vectors(NamedTuple):
+    """How a row is read: ``vec`` elements a vector; ``shift``: rows start at any element (the
+    kernels clip their aligned vectors to the row: templates/norm/rows.cu.j2)."""
+    vec: int
+    shift: bool = False
+
+    def count(self, L: int) -> int:
+        """The most vectors a row of L spans (a shifted row may touch one more)."""
+        return -(-(L + self.vec - 1) // self.vec) if self.shift else L // self.vec
+
+
+def _pick_vec(first: str, layout: _Rows, operands: dict, extra, shift_ok: bool = True) -> Vectors:
     """The widest vector (16 bytes of the first row operand at most) that every vectored operand's
-    alignment, lead strides and the row length allow; ``extra``: (itemsize, align) of outputs and
-    per-column operands."""
+    alignment allows; ``extra``: (itemsize, align) of outputs and per-column operands. Rows whose
+    length or lead strides are not multiples of it start at any element: they shift (where the
+    kernel can, ``shift_ok``) when every operand's row starts in the same place of its vector as
+    the contiguous output's row (r * L), or the vector narrows."""
     if "s" in layout.access.values():
-        return 1
+        return Vectors(1)
+    out_strides, acc = [], layout.L
+    for n in reversed(layout.lead):
+        out_strides.insert(0, acc)
+        acc *= n
     vec = 16 // _itemsize(first)
     while vec > 1:
-        fits = [layout.L % vec == 0]
+        fits, aligned, same = [], [layout.L % vec == 0], []
         for name, op in operands.items():
             if layout.access[name] == "u":
                 fits.append(op.align % min(16, vec * _itemsize(op.dtype)) == 0)
-                fits.append(all(s % vec == 0 for s in layout.strides[name]))
+                aligned.append(all(s % vec == 0 for s in layout.strides[name]))
+                same.append(all((s - o) % vec == 0 for s, o in zip(layout.strides[name], out_strides)))
         fits += [align % min(16, vec * item) == 0 for item, align in extra]
-        if all(fits):
-            break
+        if all(fits) and all(aligned):
+            return Vectors(vec)
+        if all(fits) and shift_ok and all(same):
+            return Vectors(vec, True)
         vec //= 2
-    return vec
+    return Vectors(1)
 
 
 def _index(layout: _Rows, slack: int) -> str:
@@ -198,12 +218,12 @@ def _staged_bytes(layout: _Rows, vec: int, operands: dict) -> int:
     return sum(_itemsize(op.dtype) for op in ops)
 
 
-def _tile_of(spec: RowSpec, layout: _Rows, vec: int, kind: type, backward: bool, arch: str | None,
+def _tile_of(spec: RowSpec, layout: _Rows, vectors: Vectors, kind: type, backward: bool, arch: str | None,
              operands: dict | None = None, cluster: bool = True) -> Tile:
     """The tile of a plan: ``spec``'s, or the heuristic's for ``arch`` (None: any arch); forward
     plans give their row ``operands`` (persistent clusters) and whether a plain cluster may
     serve."""
-    nvecs = layout.L // vec
+    vec, nvecs = vectors.vec, vectors.count(layout.L)
     if spec is None:
         sm90 = _cluster_ok(arch)
         staged = _staged_bytes(layout, vec, operands) if sm90 and operands else 0
@@ -247,11 +267,11 @@ def _layout_values(layout: _Rows, names) -> dict:
     return values
 
 
-def _row_launches(make, tile: Tile, layout: _Rows, vec: int, values: dict, k: int):
+def _row_launches(make, tile: Tile, layout: _Rows, vectors: Vectors, values: dict, k: int):
     """The launches and scratch of a forward-shaped row op: one kernel, or stats + apply.
     ``make(**geometry)`` builds the spec; ``k``: floats of the op's statistic."""
-    nvecs = layout.L // vec
-    geometry = dict(vec=vec, nv=tile.nv, tpr=tile.tpr, rpb=tile.rpb, min_blocks=tile.min_blocks,
+    nvecs = vectors.count(layout.L)
+    geometry = dict(vec=vectors.vec, shift=vectors.shift, nv=tile.nv, tpr=tile.tpr, rpb=tile.rpb, min_blocks=tile.min_blocks,
                     lead=len(layout.lead))
     if tile.split in ("none", "cluster", "persist"):
         spec = make(**geometry, split=tile.split, cluster=tile.cluster, stages=tile.stages)

@@ -33,12 +33,12 @@ def _plan_norm(kind, x, normalized_ndim, *, gamma, beta, residual, write_sum, sa
     layout = _row_layout(x.shape, nd, operands)
     extra = [(_itemsize(out), out_align)] + ([(_itemsize(x.dtype), out_align)] if write_sum else [])
     extra += [(_itemsize(op.dtype), op.align) for op in (gamma, beta) if op is not None]
-    vec = _pick_vec(x.dtype, layout, operands, extra)
+    vectors = _pick_vec(x.dtype, layout, operands, extra)
     # Layer norm rows past a block's reach take a persistent cluster or two passes, not a plain
     # cluster: on the H200 (256 x 262144 bf16) the cluster of 8 ran 151 us, two passes of 512 x 4
     # vectors 131 (RMS norm: 103 against 132).
-    t = _tile_of(tile, layout, vec, NormSpec, False, arch, operands, cluster=kind == "rms")
-    index = _index(layout, t.tpr * t.nv * vec * t.cluster)
+    t = _tile_of(tile, layout, vectors, NormSpec, False, arch, operands, cluster=kind == "rms")
+    index = _index(layout, t.tpr * t.nv * vectors.vec * t.cluster)
     access = "".join(layout.access[n] for n in operands)
     options = dict(kind=kind, x=x.dtype, residual=residual.dtype if residual is not None else "", index=index,
                    access=access)
@@ -50,7 +50,7 @@ def _plan_norm(kind, x, normalized_ndim, *, gamma, beta, residual, write_sum, sa
 
     values = _layout_values(layout, operands)
     values.update(eps=eps, **{f"p{k}": p for k, p in enumerate(params)})
-    launches, scratch = _row_launches(make, t, layout, vec, values, 3 if kind == "layer" else 1)
+    launches, scratch = _row_launches(make, t, layout, vectors, values, 3 if kind == "layer" else 1)
     return Plan(launches, scratch)
 
 
@@ -109,8 +109,9 @@ def _plan_norm_backward(kind, dy, x, normalized_ndim, *, mean, rstd, gamma, beta
     operands = {"dy": dy, "x": x}
     layout = _row_layout(x.shape, nd, operands)
     extra = [(_itemsize(dx), out_align)] + ([(_itemsize(gamma.dtype), gamma.align)] if gamma is not None else [])
-    vec = _pick_vec(dy.dtype, layout, operands, extra)
-    t = _tile_of(tile, layout, vec, NormBackwardSpec, True, None)
+    vectors = _pick_vec(dy.dtype, layout, operands, extra, shift_ok=False)
+    vec = vectors.vec
+    t = _tile_of(tile, layout, vectors, NormBackwardSpec, True, None)
     if t.split == "cluster":
         raise ValidationError("tile: backward kernels split long rows in two passes, not clusters", arg="tile")
     L, nvecs = layout.L, layout.L // vec
@@ -245,10 +246,10 @@ def plan_softmax(x: Operand, axis: int = -1, *, log: bool = False, mask: Operand
         return _plan_columns(False, log, {"x": x}, axis, out, epilogue, params, out_align, tile)
     operands = {"x": x} if mask is None else {"x": x, "mask": mask}
     layout = _row_layout(shape, len(shape) - axis, operands)
-    vec = _pick_vec(x.dtype, layout, operands, [(_itemsize(out), out_align)])
-    t = _tile_of(tile, layout, vec, SoftmaxSpec, False, arch, operands)
+    vectors = _pick_vec(x.dtype, layout, operands, [(_itemsize(out), out_align)])
+    t = _tile_of(tile, layout, vectors, SoftmaxSpec, False, arch, operands)
     options = dict(log=log, x=x.dtype, mask=mask.dtype if mask is not None else "", causal=causal,
-                   index=_index(layout, t.tpr * t.nv * vec * t.cluster),
+                   index=_index(layout, t.tpr * t.nv * vectors.vec * t.cluster),
                    access="".join(layout.access[n] for n in operands))
 
     def make(stats=False, **geometry):
@@ -258,7 +259,7 @@ def plan_softmax(x: Operand, axis: int = -1, *, log: bool = False, mask: Operand
     if causal:
         values.update(sq=shape[-2], diag=shape[-1] - shape[-2])
     values.update({f"p{k}": p for k, p in enumerate(params)})
-    launches, scratch = _row_launches(make, t, layout, vec, values, 2)
+    launches, scratch = _row_launches(make, t, layout, vectors, values, 2)
     return Plan(launches, scratch)
 
 
@@ -276,15 +277,15 @@ def plan_softmax_backward(dy: Operand, y: Operand, axis: int = -1, *, log: bool 
         return _plan_columns(True, log, {"dy": dy, "y": y}, axis, dx, (), (), out_align, tile)
     operands = {"dy": dy, "y": y}
     layout = _row_layout(shape, len(shape) - axis, operands)
-    vec = _pick_vec(dy.dtype, layout, operands, [(_itemsize(dx), out_align)])
-    t = _tile_of(tile, layout, vec, SoftmaxBackwardSpec, True, None)
+    vectors = _pick_vec(dy.dtype, layout, operands, [(_itemsize(dx), out_align)])
+    t = _tile_of(tile, layout, vectors, SoftmaxBackwardSpec, True, None)
     if t.split == "cluster":
         raise ValidationError("tile: backward kernels split long rows in two passes, not clusters", arg="tile")
-    options = dict(log=log, dy=dy.dtype, y=y.dtype, index=_index(layout, t.tpr * t.nv * vec),
+    options = dict(log=log, dy=dy.dtype, y=y.dtype, index=_index(layout, t.tpr * t.nv * vectors.vec),
                    access="".join(layout.access[n] for n in operands))
 
     def make(stats=False, **geometry):
         return SoftmaxBackwardSpec(**options, **({} if stats else dict(dx=dx)), **geometry)
 
-    launches, scratch = _row_launches(make, t, layout, vec, _layout_values(layout, operands), 1)
+    launches, scratch = _row_launches(make, t, layout, vectors, _layout_values(layout, operands), 1)
     return Plan(launches, scratch)

@@ -84,6 +84,7 @@ class RowSpec(KernelSpec):
     lead: int = 1            # coalesced lead dims the row index is split into
     access: str = "u"        # per row operand: u (contiguous), s (strided, vec 1), z (one value per row)
     index: str = "int32"     # type of element offsets
+    shift: bool = False      # rows start at any element (odd L): aligned vectors clipped to the row
 
     tile_fields = ("nv", "tpr", "rpb", "split", "cluster", "stages", "min_blocks")
     SPLITS_ALLOWED = SPLITS
@@ -133,6 +134,10 @@ class RowSpec(KernelSpec):
             one_of(a, ("u", "s", "z") if name == "mask" else ("u", "s"), f"access.{name}")
         if "s" in self.access and self.vec != 1:
             raise ValidationError("vec: strided row elements are read one at a time (vec 1)", arg="vec")
+        one_of(self.shift, (False, True), "shift")
+        if self.shift and (self.vec == 1 or "s" in self.access):
+            raise ValidationError("shift: rows that start anywhere are read as aligned vectors (vec > 1, no "
+                                  "strided operand)", arg="shift")
         if self.split == "persist":
             self.validate_persist()
 
@@ -178,8 +183,9 @@ class RowSpec(KernelSpec):
 
     def staged_columns(self) -> list[tuple[str, str]]:
         """The column operands a persistent block copies into shared memory once (its chunk of
-        them serves every row): all, where whole 16-byte vectors and the shared memory allow."""
-        cols = self.column_operands() if self.split == "persist" else []
+        them serves every row): all, where whole 16-byte vectors and the shared memory allow, and
+        rows do not shift (a shifted row's vectors straddle its columns' vectors)."""
+        cols = self.column_operands() if self.split == "persist" and not self.shift else []
         chunk = self.tpr * self.nv * self.vec
         if (not cols or any(self.vec * _itemsize(d) % 16 for _, d in cols)
                 or self._row_stage_bytes() + chunk * sum(_itemsize(d) for _, d in cols) > PERSIST_SHARED):
@@ -201,7 +207,7 @@ class RowSpec(KernelSpec):
         split = {"none": "", "cluster": f".cl{self.cluster}", "persist": f".ps{self.cluster}x{self.stages}",
                  "stats": ".stats", "apply": ".apply"}[self.split]
         return (f"v{self.vec}n{self.nv}t{self.tpr}r{self.rpb}{split}.m{self.min_blocks}"
-                f".l{self.lead}{self.access}.{self.index}")
+                f".l{self.lead}{self.access}.{self.index}{'.shift' if self.shift else ''}")
 
     # -- kernel arguments: one table so the template's signature and the plan's launch agree ----------
     def pointer_table(self) -> list[tuple[str, str]]:
@@ -237,7 +243,7 @@ class RowSpec(KernelSpec):
         return {
             "index_t": "int" if self.index == "int32" else "long long",
             "vec": self.vec, "nv": self.nv, "tpr": self.tpr, "rpb": self.rpb, "split": self.split,
-            "cluster": self.cluster, "stages": self.stages, "min_blocks": self.min_blocks, "lead": self.lead,
+            "cluster": self.cluster, "stages": self.stages, "shift": self.shift, "min_blocks": self.min_blocks, "lead": self.lead,
             "row_ops": ops, "op": {o["name"]: o for o in ops}, "staged": staged,
             "unstaged": [o for o in ops if o not in staged], "staged_bytes": before, "columns": columns,
             "columns_bytes": after,

@@ -82,12 +82,14 @@ def unsupported_reason(spec: KernelSpec, arch: str) -> str | None:
 
 # -- presets: what `nvdnn warm --preset norm` compiles --------------------------------------------
 
-PRESET_ROWS = (128, 1024, 4096, 16384, 262144)  # row lengths: one per tile class the heuristic picks
+# row lengths: one per tile class the heuristic picks, and two odd ones (rows that start anywhere:
+# a medium row in one block, a vocabulary-sized one on a persistent cluster or in two passes)
+PRESET_ROWS = (128, 1024, 4096, 16384, 262144, 4099, 50257)
 
 
 def preset() -> list[KernelSpec]:
     """The kernels the functional API runs on contiguous, aligned tensors: every dtype and op at
-    each row-length class (long rows both as sm_90 plans them, a persistent cluster or, for
+    each row-length class and two odd lengths (long rows both as sm_90 plans them, a persistent cluster or, for
     float32, a cluster of 16, and in two passes), training (saved statistics) and inference
     forms, backward passes, and the common fused options at 4096 (residual add, GELU epilogue,
     a cast to bfloat16, a softmax mask, causal)."""
