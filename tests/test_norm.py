@@ -336,11 +336,17 @@ def test_vectors_follow_alignment_length_and_strides():
     # a (Sq, Sk) mask broadcast over heads starts where x's rows do when Sq * Sk is a multiple of 8
     spec = norm.plan_softmax(op("bfloat16", 2, 3, 100, 130), -1, mask=op("bfloat16", 100, 130)).launches[0].spec
     assert (spec.vec, spec.shift) == (8, True)
-    # the backward norm keeps a thread's columns across rows: it does not shift
-    st = op("float32", 8)
-    spec = norm.plan_layer_norm_backward(op("float16", 8, 4099), op("float16", 8, 4099), 1, mean=st, rstd=st,
-                                         gamma=op("float16", 4099)).launches[0].spec
-    assert (spec.vec, spec.shift) == (1, False)
+    # the backward norm keeps a thread's columns across rows: a row group's rows, a grid step
+    # apart, start at the same place in their vectors (the step is a multiple of the vector)
+    for rows, L in ((8, 4099), (5000, 4099), (3000, 1021), (40, 50257), (3, 50257)):
+        st = op("float32", rows)
+        for launch in norm.plan_layer_norm_backward(op("float16", rows, L), op("float16", rows, L), 1, mean=st,
+                                                    rstd=st, gamma=op("float16", L)).launches:
+            if isinstance(launch.spec, norm.NormBackwardSpec) and launch.spec.split != "stats":
+                spec = launch.spec
+                assert (spec.vec, spec.shift) == (8, True)
+                groups = launch.grid[0] // (1 if spec.split == "none" else _arg(launch, "n_chunks"))
+                assert groups * spec.rpb >= rows or groups * spec.rpb % 8 == 0, (rows, L, launch.grid)
     sliced = Operand("float16", (8, 4096), (4100, 1))  # rows of a wider tensor: 4100 is not a multiple of 8
     assert norm.plan_layer_norm(sliced, 1).launches[0].spec.vec == 4
     strided = Operand("float32", (8, 100), (1, 8))  # a transposed view: elements 8 apart
@@ -353,10 +359,11 @@ def test_odd_rows_take_one_vectorized_kernel(dtype):
     """Rows of any length run the single-pass kernels on 16-byte vectors: one launch up to a
     block's reach (every arch), a block or a persistent cluster on sm_90 for vocabulary sizes."""
     vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
-    for L in (1, 3, 7, 127, 1021, 4099, 8191):
+    for L in (1, 3, 7, 127, 1021, 4099, 8000):
         x, g = op(dtype, 64, L), op(dtype, L)
         for plan in (norm.plan_softmax(x, -1), norm.plan_softmax(x, -1, log=True), norm.plan_softmax_backward(x, x, -1),
-                     norm.plan_layer_norm(x, 1, gamma=g, beta=g), norm.plan_rms_norm(x, 1, gamma=g)):
+                     norm.plan_layer_norm(x, 1, gamma=g, beta=g), norm.plan_rms_norm(x, 1, gamma=g),
+                     norm.plan_rms_norm_backward(x, x, 1, rstd=op("float32", 64))):
             (launch,) = plan.launches
             assert (launch.spec.vec, launch.spec.shift, launch.spec.split) == (vec, L % vec != 0, "none"), \
                 (L, launch.spec.uri)

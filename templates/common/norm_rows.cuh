@@ -61,23 +61,30 @@ template <int N> __device__ __forceinline__ void clip(float (&v)[N], int first, 
 #pragma unroll
   for (int j = 0; j < N; ++j) if (!inside(first + j, L)) v[j] = fill;
 }
-// Row elements of `in` that lie inside the row: one vector store, or one element at a time.
+// Row elements of `in` that lie inside the row: vector stores of up to 16 bytes, or one element
+// at a time. The vector stores are PTX: as C++, NVVM merges them with the element stores (the
+// same addresses) into stores of one element's alignment.
 template <int N, typename T> __device__ __forceinline__ void store_clipped(T* row, int first, int L,
                                                                          const float (&in)[N]) {
   if (whole<N>(first, L)) {
-    // one vector store, in PTX: as C++, NVVM merges it with the element stores below (the same
-    // addresses) into stores of the element's alignment
+    constexpr int PIECE = sizeof(T) * N > 16 ? 16 / sizeof(T) : N;
     Vec<T, N> v;
 #pragma unroll
     for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(in[j]);
-    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
-    if constexpr (sizeof(v) == 16) {
-      asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };"
-                   :: "l"(row + first), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-    } else if constexpr (sizeof(v) == 8) {
-      asm volatile("st.global.v2.b32 [%0], { %1, %2 };" :: "l"(row + first), "r"(w[0]), "r"(w[1]) : "memory");
-    } else {
-      store_vec<N>(row + first, v);
+#pragma unroll
+    for (int c = 0; c < N; c += PIECE) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(&v.v[c]);
+      if constexpr (sizeof(T) * PIECE == 16) {
+        asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };"
+                     :: "l"(row + first + c), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+      } else if constexpr (sizeof(T) * PIECE == 8) {
+        asm volatile("st.global.v2.b32 [%0], { %1, %2 };" :: "l"(row + first + c), "r"(w[0]), "r"(w[1]) : "memory");
+      } else {  // 4 bytes: merged or not, as wide as the vector
+        Vec<T, PIECE> piece;
+#pragma unroll
+        for (int j = 0; j < PIECE; ++j) piece.v[j] = v.v[c + j];
+        store_vec<PIECE>(row + first + c, piece);
+      }
     }
     return;
   }

@@ -109,22 +109,27 @@ def _plan_norm_backward(kind, dy, x, normalized_ndim, *, mean, rstd, gamma, beta
     operands = {"dy": dy, "x": x}
     layout = _row_layout(x.shape, nd, operands)
     extra = [(_itemsize(dx), out_align)] + ([(_itemsize(gamma.dtype), gamma.align)] if gamma is not None else [])
-    vectors = _pick_vec(dy.dtype, layout, operands, extra, shift_ok=False)
+    vectors = _pick_vec(dy.dtype, layout, operands, extra)
     vec = vectors.vec
     t = _tile_of(tile, layout, vectors, NormBackwardSpec, True, None)
     if t.split == "cluster":
         raise ValidationError("tile: backward kernels split long rows in two passes, not clusters", arg="tile")
-    L, nvecs = layout.L, layout.L // vec
+    L, nvecs = layout.L, vectors.count(layout.L)
     chunks = 1 if t.split == "none" else -(-nvecs // (t.tpr * t.nv))
     groups = min(-(-rows // t.rpb), PERSISTENT_BLOCKS) if t.split == "none" else max(
         1, min(rows, PERSISTENT_BLOCKS // chunks))
+    if vectors.shift and groups * t.rpb < rows:
+        # a row group's rows (a grid step apart) then all start at the same place in their
+        # vectors: its columns, gamma and dgamma / dbeta partials stay in the same registers
+        groups = max(vec, groups - groups % vec)
     index = _index(layout, t.tpr * t.nv * vec)
     if groups * L >= _INT32_LIMIT:  # offsets into the dgamma / dbeta partial rows
         index = "int64"
     options = dict(kind=kind, dy=dy.dtype, x=x.dtype, gamma=gamma.dtype if gamma is not None else "",
                    index=index, access="".join(layout.access[n] for n in operands))
     full = dict(dgamma=gamma is not None, dbeta=beta is not None, dx=dx)
-    geometry = dict(vec=vec, nv=t.nv, tpr=t.tpr, rpb=t.rpb, min_blocks=t.min_blocks, lead=len(layout.lead))
+    geometry = dict(vec=vec, shift=vectors.shift, nv=t.nv, tpr=t.tpr, rpb=t.rpb, min_blocks=t.min_blocks,
+                    lead=len(layout.lead))
     values = _layout_values(layout, operands)
     launches = []
     if t.split == "none":

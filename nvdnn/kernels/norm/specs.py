@@ -128,9 +128,6 @@ class NormBackwardSpec(RowSpec):
         one_of(self.dbeta, (False, True), "dbeta")
         if self.dbeta and self.kind == "rms":
             raise ValidationError("dbeta: RMS norm has no beta", arg="dbeta")
-        if self.shift:
-            raise ValidationError("shift: the backward norm keeps its columns' gamma and partials in registers "
-                                  "across rows, which needs rows that start on a vector", arg="shift")
         if self.split == "stats":
             if (self.dgamma, self.dbeta, self.dx) != (False, False, ""):
                 raise ValidationError("split: a 'stats' pass takes no output options", arg="split")
