@@ -488,3 +488,24 @@ def test_odd_rows_norm_backward_over_many_rows(rows, L, dtype):
     what = f"rms_norm backward {rows}x{L} {plan.launches[0].spec.uri} grid {plan.launches[0].grid}"
     check_scaled(dx, want_dx, dtype, what + " dx")
     check_scaled(dgamma, want_dg, dtype, what + " dgamma")
+
+
+@pytest.mark.parametrize("rows,L", ODD + [(1000, 128), (4, 262144)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy(rows, L, dtype):
+    """Loss and dlogits in one pass against float64, int64 and int32 labels, an ignored row."""
+    import cupy
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    for label_type in ("int64", "int32"):
+        picked = np.random.default_rng().integers(0, L, rows)
+        picked[rows // 2] = -100  # ignore_index
+        labels = cupy.asarray(picked.astype(label_type))
+        for target in targets(L):
+            dx, loss = poisoned((rows, L), dtype), poisoned((rows,), "float32")
+            plan = norm.plan_cross_entropy(operand(x), operand(labels), grad_scale=0.5, arch=target)
+            shifted(plan, L)
+            run(plan, dx=dx, x=x, labels=labels, loss=loss)
+            want_dx, want_loss = ref.cross_entropy(x64, picked, grad_scale=0.5)
+            what = f"cross_entropy {rows}x{L} labels {label_type} {plan.launches[-1].spec.uri}"
+            check_scaled(dx, want_dx, dtype, what + " dx")
+            check_scaled(loss, want_loss, "float32", what + " loss")

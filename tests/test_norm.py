@@ -565,6 +565,7 @@ def test_preset_covers_every_op_dtype_and_strategy():
     assert any(s.epilogue for s in rows if isinstance(s, norm.NormSpec))
     assert any(s.mask for s in rows if isinstance(s, norm.SoftmaxSpec))
     assert any(s.causal for s in rows if isinstance(s, norm.SoftmaxSpec))
+    assert any(s.labels and s.shift for s in rows if isinstance(s, norm.SoftmaxSpec))
     assert any(s.rpb > 1 for s in rows) and any(s.tpr == 1024 for s in rows)
 
 
@@ -653,3 +654,50 @@ def test_row_kernels_launch_as_dependent_grids_and_wait_first(sass):
             check_dependent_wait(text, arch, uri)
         else:
             assert "ACQBULK" not in text, uri
+
+
+# -- softmax cross-entropy ------------------------------------------------------------------------------
+
+def test_cross_entropy_reference_matches_a_per_row_loop():
+    x, labels = RNG.normal(size=(2, 3, 11)), np.array([[4, -100, 10], [0, 11, 3]])
+    dx, loss = ref.cross_entropy(x, labels, grad_scale=0.5)
+    for i, j in np.ndindex(2, 3):
+        row, c = x[i, j], labels[i, j]
+        p = np.exp(row) / np.exp(row).sum()
+        if c == -100:
+            assert loss[i, j] == 0 and not dx[i, j].any()
+            continue
+        want = math.log(np.exp(row).sum()) - row[c] if 0 <= c < 11 else np.nan
+        np.testing.assert_allclose(loss[i, j], want, rtol=1e-12)  # a label past the classes: NaN
+        np.testing.assert_allclose(dx[i, j], (p - (np.arange(11) == c)) * 0.5, rtol=1e-12, atol=1e-15)
+
+
+def test_cross_entropy_plans_one_pass_and_shares_the_softmax_statistics():
+    x, labels = op("bfloat16", 4096, 50257), op("int64", 4096)
+    (launch,) = norm.plan_cross_entropy(x, labels, arch="sm_90").launches
+    assert launch.spec.split == "persist" and launch.spec.shift and launch.pointers == ("dx", "x", "labels", "loss")
+    stats, apply = norm.plan_cross_entropy(x, labels).launches  # any arch: two passes, the first softmax's own
+    assert stats.spec == norm.plan_softmax(x, -1).launches[0].spec and apply.spec.labels == "int64"
+    assert norm.plan_cross_entropy(op("float32", 2, 3, 7), op("int32", 2, 3)).launches[0].spec.rpb > 1
+    for labels_, exc, text in ((op("float32", 4096), DTypeError, "class index"), (op("int64", 4095), ValidationError,
+                                                                                     "lead shape")):
+        with pytest.raises(exc) as info:
+            norm.plan_cross_entropy(x, labels_)
+        assert info.value.arg == "labels" and text in str(info.value)
+
+
+def test_cross_entropy_graph_runs_on_numpy():
+    import nvdnn
+    g = nvdnn.Graph(arch="sm_90")
+    x, labels = g.tensor(dims=[6, 1021], data_type="float32", name="x"), g.tensor(dims=[6], data_type="int64",
+                                                                                   name="labels")
+    dx, loss = g.cross_entropy(x, labels, ignore_index=-1, grad_scale=0.25)
+    dx.set_output(True), loss.set_output(True)
+    g.build()
+    assert loss.data_type == "float32" and loss.dims == (6,)
+    pack = {"x": RNG.normal(size=(6, 1021)).astype(np.float32), "labels": np.array([0, 5, -1, 1020, 7, 3]),
+            dx.name: np.zeros((6, 1021), np.float32), loss.name: np.zeros(6, np.float32)}
+    g.execute(pack, backend="numpy")
+    want_dx, want_loss = ref.cross_entropy(pack["x"], pack["labels"], ignore_index=-1, grad_scale=0.25)
+    np.testing.assert_allclose(pack[dx.name], want_dx, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(pack[loss.name], want_loss, rtol=1e-5)

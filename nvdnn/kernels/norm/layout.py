@@ -249,7 +249,7 @@ def _scalar_values(spec, values: dict) -> tuple:
         value = values[name]
         if ctype == "float":
             out.append(np.float32(value))
-        elif ctype == "index_t" and wide:
+        elif ctype == "long long" or (ctype == "index_t" and wide):
             out.append(np.int64(value))
         else:
             if not -2 ** 31 <= value < 2 ** 31:

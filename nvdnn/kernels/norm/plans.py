@@ -8,7 +8,7 @@ from ...errors import DTypeError, UnsupportedError, ValidationError
 from ...spec import KernelSpec
 from .. import Launch, Plan, pointwise
 from ..pointwise import Operand
-from .rowspec import PERSISTENT_BLOCKS, _INT32_LIMIT, _itemsize
+from .rowspec import LABEL_DTYPES, PERSISTENT_BLOCKS, _INT32_LIMIT, _itemsize
 from .specs import (NormBackwardSpec, NormSpec, SoftmaxBackwardSpec, SoftmaxColumnsSpec, SoftmaxSpec, WGRAD_COLUMNS,
                     WGRAD_SLICES, WgradSpec)
 from .layout import (_check_columns, _check_dtype, _check_nonempty, _check_params, _index, _layout_values,
@@ -264,6 +264,42 @@ def plan_softmax(x: Operand, axis: int = -1, *, log: bool = False, mask: Operand
     if causal:
         values.update(sq=shape[-2], diag=shape[-1] - shape[-2])
     values.update({f"p{k}": p for k, p in enumerate(params)})
+    launches, scratch = _row_launches(make, t, layout, vectors, values, 2)
+    return Plan(launches, scratch)
+
+
+def plan_cross_entropy(x: Operand, labels: Operand, *, ignore_index: int = -100, grad_scale: float = 1.0,
+                       out_dtype=None, out_align: int = 16, arch: str | None = None,
+                       tile: KernelSpec | None = None) -> Plan:
+    """Softmax cross-entropy over x's last axis (the classes), one pass: ``loss`` (float32, one per
+    row: logsumexp(x) - x[label], PyTorch's reduction "none") and ``dx`` = (softmax(x) -
+    onehot(label)) * grad_scale (in x's dtype, or ``out_dtype``); a row labelled ``ignore_index``
+    gets 0 for both. ``labels``: int32 / int64, x's lead shape, contiguous. Roles: "dx", "x",
+    "labels", "loss"."""
+    _check_dtype(x, "x")
+    _check_nonempty(x, "x")
+    if labels.dtype not in LABEL_DTYPES:
+        raise DTypeError(f"labels: data type {labels.dtype} is not a class index type (use int32 or int64)",
+                         arg="labels")
+    shape = tuple(x.shape)
+    if tuple(labels.shape) != shape[:-1]:
+        raise ValidationError(f"labels: shape {tuple(labels.shape)} is not x's lead shape {shape[:-1]} (one class "
+                              "index a row)", arg="labels")
+    if len(shape) > 1 and _run_stride(labels.shape, labels.strides, "labels", "dims") != 1:
+        raise UnsupportedError(f"labels: strides {tuple(labels.strides)} are not contiguous; pass a contiguous copy",
+                               arg="labels")
+    out = _out_dtype(out_dtype, x.dtype)
+    operands = {"x": x}
+    layout = _row_layout(shape, 1, operands)
+    vectors = _pick_vec(x.dtype, layout, operands, [(_itemsize(out), out_align)])
+    t = _tile_of(tile, layout, vectors, SoftmaxSpec, False, arch, operands)
+    options = dict(x=x.dtype, index=_index(layout, t.tpr * t.nv * vectors.vec * t.cluster),
+                   access=layout.access["x"])
+
+    def make(stats=False, **geometry):
+        return SoftmaxSpec(**options, **({} if stats else dict(out=out, labels=labels.dtype)), **geometry)
+
+    values = dict(_layout_values(layout, operands), ignore_index=ignore_index, grad_scale=grad_scale)
     launches, scratch = _row_launches(make, t, layout, vectors, values, 2)
     return Plan(launches, scratch)
 

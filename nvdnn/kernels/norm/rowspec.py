@@ -11,6 +11,7 @@ from ...spec import KernelSpec, one_of
 from .. import pointwise
 
 DTYPES = pointwise.DTYPES
+LABEL_DTYPES = ("int32", "int64")  # class indices of a cross-entropy
 TPRS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 RPBS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NVS = (1, 2, 4, 8)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from ...errors import ValidationError
 from ...spec import KernelSpec, one_of
 from .. import pointwise
-from .rowspec import (BACKWARD_EPT, DTYPES, RowSpec, TPRS, VECS, _ctype, _epilogue_context, _epilogue_uri, _itemsize,
-                      _optional_dtype, _short)
+from .rowspec import (BACKWARD_EPT, DTYPES, LABEL_DTYPES, TPRS, VECS, RowSpec, _ctype, _epilogue_context,
+                      _epilogue_uri, _itemsize, _optional_dtype, _short)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +172,8 @@ class NormBackwardSpec(RowSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class SoftmaxSpec(RowSpec):
-    """Softmax or log-softmax forward along rows, with an additive mask and a causal option."""
+    """Softmax or log-softmax forward along rows, with an additive mask and a causal option; or,
+    given ``labels``, softmax cross-entropy: each row's loss and dlogits in the same pass."""
     family = "softmax"
     template = "norm/softmax_fwd.cu.j2"
 
@@ -180,6 +181,7 @@ class SoftmaxSpec(RowSpec):
     x: str
     mask: str = ""           # dtype of the additive mask ("" none)
     causal: bool = False     # mask (i, j) with j > i + (Sk - Sq), i = row % Sq
+    labels: str = ""         # cross-entropy: dtype of the class index of each row (int32 / int64)
     out: str = ""
     epilogue: tuple = ()
 
@@ -192,24 +194,31 @@ class SoftmaxSpec(RowSpec):
         _optional_dtype(self.mask, "mask")
         one_of(self.causal, (False, True), "causal")
         pointwise.check_epilogue(self.epilogue)
+        if self.labels:
+            one_of(self.labels, LABEL_DTYPES, "labels")
+            if (self.log, self.mask, self.causal, self.epilogue) != (False, "", False, ()):
+                raise ValidationError("labels: cross-entropy takes no log, mask, causal or epilogue", arg="labels")
         if self.split == "stats":
-            if (self.out, self.epilogue) != ("", ()):
+            if (self.out, self.epilogue, self.labels) != ("", (), ""):
                 raise ValidationError("split: a 'stats' pass takes no output options", arg="split")
         else:
             one_of(self.out, DTYPES, "out")
 
     @property
     def uri(self) -> str:
-        name = "log_softmax" if self.log else "softmax"
-        extra = (f"+mask={_short(self.mask)}" if self.mask else "") + ("+causal" if self.causal else "")
+        name = "cross_entropy" if self.labels else "log_softmax" if self.log else "softmax"
+        extra = ((f"+mask={_short(self.mask)}" if self.mask else "") + ("+causal" if self.causal else "")
+                 + (f"+labels={_short(self.labels)}" if self.labels else ""))
         return (f"softmax/{name}/x={_short(self.x)}{extra}/out={_short(self.out)}"
                 f"/epi={_epilogue_uri(self.epilogue)}/{self.tile_uri}")
 
     def pointer_table(self):
-        table = [] if self.split == "stats" else [("y", "out_t* __restrict__ y")]
+        table = [] if self.split == "stats" else [("dx" if self.labels else "y", "out_t* __restrict__ y")]
         table.append(("x", "const x_t* __restrict__ x"))
         if self.mask:
             table.append(("mask", "const m_t* __restrict__ mask"))
+        if self.labels:
+            table += [("labels", "const l_t* __restrict__ labels"), ("loss", "float* __restrict__ loss")]
         if self.split in ("stats", "apply"):
             table.append(("scratch0", ("" if self.split == "stats" else "const ") + "float* __restrict__ part"))
         return table
@@ -220,12 +229,15 @@ class SoftmaxSpec(RowSpec):
             out += [("sq", "index_t"), ("diag", "index_t")]
         if self.split != "stats":
             out += [(f"p{k}", "float") for k in range(pointwise.chain_params(self.epilogue))]
+        if self.labels:
+            out += [("ignore_index", "long long"), ("grad_scale", "float")]
         return out
 
     def render_context(self) -> dict:
         ctx = self.row_context()
         ctx.update(log=self.log, x_ctype=_ctype(self.x), mask=bool(self.mask),
                    m_ctype=_ctype(self.mask) if self.mask else "", causal=self.causal,
+                   labels=bool(self.labels), l_ctype=_ctype(self.labels) if self.labels else "",
                    out_ctype=_ctype(self.out) if self.out else "")
         ctx.update(_epilogue_context(self.epilogue, self.out or self.x))
         return ctx

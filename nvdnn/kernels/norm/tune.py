@@ -11,8 +11,8 @@ from ..pointwise import Operand
 from .rowspec import DTYPES, NVS, PERSIST_STAGES, TPRS
 from .specs import NormBackwardSpec, SoftmaxBackwardSpec, SoftmaxColumnsSpec, WgradSpec
 from .layout import _min_blocks
-from .plans import (plan_layer_norm, plan_layer_norm_backward, plan_rms_norm, plan_rms_norm_backward, plan_softmax,
-                    plan_softmax_backward)
+from .plans import (plan_cross_entropy, plan_layer_norm, plan_layer_norm_backward, plan_rms_norm,
+                    plan_rms_norm_backward, plan_softmax, plan_softmax_backward)
 
 
 def candidates(spec: KernelSpec) -> list[KernelSpec]:
@@ -88,11 +88,11 @@ PRESET_ROWS = (128, 1024, 4096, 16384, 262144, 4099, 50257)
 
 
 def preset() -> list[KernelSpec]:
-    """The kernels the functional API runs on contiguous, aligned tensors: every dtype and op at
-    each row-length class and two odd lengths (long rows both as sm_90 plans them, a persistent cluster or, for
-    float32, a cluster of 16, and in two passes), training (saved statistics) and inference
-    forms, backward passes, and the common fused options at 4096 (residual add, GELU epilogue,
-    a cast to bfloat16, a softmax mask, causal)."""
+    """The kernels the functional API runs on contiguous tensors: every dtype and op at each
+    row-length class and two odd lengths (cross-entropy there too; long rows both as sm_90 plans
+    them, a persistent cluster or, for float32, a cluster of 16, and in two passes), training
+    (saved statistics) and inference forms, backward passes, and the common fused options at 4096
+    (residual add, GELU epilogue, a cast to bfloat16, a softmax mask, causal)."""
     specs: dict[KernelSpec, None] = {}
 
     def add(plan: Plan) -> None:
@@ -116,6 +116,8 @@ def preset() -> list[KernelSpec]:
                     add(plan_rms_norm(x, 1, gamma=w, save_stats=save, arch=arch))
                 for log in (False, True):
                     add(plan_softmax(x, -1, log=log, arch=arch))
+                if L % 8:  # the odd lengths: a vocabulary's cross-entropy
+                    add(plan_cross_entropy(x, op("int64", rows), arch=arch))
             add(plan_layer_norm_backward(x, x, 1, mean=stat, rstd=stat, gamma=w, beta=w))
             add(plan_rms_norm_backward(x, x, 1, rstd=stat, gamma=w))
             for log in (False, True):
