@@ -229,6 +229,7 @@ def main():
     for name, opname, shape, axes in () if args.only else (("amax whole tensor 64M", "amax", (1 << 26,), None),
                                       ("sum last axis 16384x4096", "sum", (16384, 4096), (1,)),
                                       ("mean first axis 16384x4096", "mean", (16384, 4096), (0,)),
+                                      ("sum first axis 8192x8192", "sum", (8192, 8192), (0,)),
                                       ("norm2 last axis 4096x1024", "norm2", (4096, 1024), (1,)),
                                       ("sum channels NCHW 32x256x56x56", "sum", (32, 256, 56, 56), (0, 2, 3)),
                                       ("max last axis 65536x128", "max", (65536, 128), (1,))):

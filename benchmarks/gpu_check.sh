@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment facts, the GPU tests, the benchmarks; a short table last.
 #   NVDNN_CACHE_DIR=.gpu-cache bash benchmarks/gpu_check.sh [pytest args...]
+#   BENCHES="" CALLS=quick SWEEP=quick bash benchmarks/gpu_check.sh -k nothing   # the optional stages only
 # Logs and JSON go to $OUT (or ./gpu-out); NVDNN_RECORD collects the specs the run needed.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -21,6 +22,18 @@ for bench in ${BENCHES-copy pointwise graph norm reduce pool}; do  # BENCHES="" 
   timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_$bench.py --json "$out/bench_$bench.json" 2>&1 \
     | tee "$out/bench_$bench.log"
 done
+# optional stages. CALLS=quick|full: host cost per call of every entry point (quick: small rows, ~45 s; full ~90 s);
+# SWEEP=quick|full: the memory-bound real-model sweeps (quick ~10 s a family, full ~2 min), SWEEP_FAMILIES=norm,pool
+if [ -n "${CALLS:-}" ]; then
+  timeout "${CALLS_TIMEOUT:-150}" python3 benchmarks/bench_calls.py $([ "$CALLS" = quick ] && echo --quick) \
+      --json "$out/bench_calls.json" > "$out/bench_calls.log" 2>&1
+  grep -vE "^\[[0-9]+/" "$out/bench_calls.log" | tail -"${CALLS_LINES:-70}"
+fi
+if [ -n "${SWEEP:-}" ]; then
+  timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/bench_sweep.py $([ "$SWEEP" = quick ] && echo --quick) \
+      ${SWEEP_FAMILIES:+--family "$SWEEP_FAMILIES"} --json "$out/bench_sweep.json" > "$out/bench_sweep.log" 2>&1
+  grep -E "^(pointwise|norm|softmax|reduce|pool): |Error|error" "$out/bench_sweep.log" | tail -40
+fi
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
 if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters of the kernels short of target
   timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 --launch-count 3 \

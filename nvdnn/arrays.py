@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import callsite
 from .errors import DeviceError, ValidationError
 
 
@@ -22,12 +23,13 @@ def to_device(x, name: str):
     if isinstance(x, cp.ndarray):
         return x, _identity
     if isinstance(x, np.ndarray):
+        callsite.refuse("a NumPy array copied to the device")
         return cp.asarray(x), _to_numpy
     if hasattr(x, "__cuda_array_interface__"):
-        return _bfloat16_view(cp.asarray(x), x), _back_to(x)
+        return _noted(_bfloat16_view(cp.asarray(x), x), x), _back_to(x)
     if hasattr(x, "__dlpack__"):
         try:
-            return _bfloat16_view(cp.from_dlpack(x), x), _back_to(x)
+            return _noted(_bfloat16_view(cp.from_dlpack(x), x), x), _back_to(x)
         except Exception as exc:  # a CPU tensor, an unsupported dtype ...
             raise DeviceError(f"{name}: cannot view {type(x).__name__} on the GPU through DLPack ({exc})",
                               arg=name) from exc
@@ -48,6 +50,11 @@ def all_to_device(values: dict) -> tuple[dict, Callable | None]:
             back = back or ret
         out[role] = value
     return out, back
+
+
+def _noted(view, source):
+    callsite.note_view(view, source)
+    return view
 
 
 def _bfloat16_view(y, source):

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, compiler, dtypes
+from . import arrays, callsite, compiler, dtypes
 from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .graph import Graph
@@ -96,6 +96,7 @@ def _prepare(steps, xs, names, out, out_dtype, device, params) -> _Prepared:
     return _Prepared(launch.function, launch.grid, launch.block, order, ints, shape, dtypes.BY_NAME[out_dtype].np)
 
 
+@callsite.fast
 def elementwise(steps, *inputs, params=(), out=None, dtype=None, stream=None):
     """Run a fused chain in one kernel: ``elementwise([("add", "x1"), ("gelu", "")], x, b)``.
 
@@ -132,8 +133,8 @@ def _run(steps, inputs, names, params=(), out=None, dtype=None, stream=None):
         prep = _PREPARED[key] = _prepare(steps, xs, tuple(names), out_dev, out_dtype, device, params)
     y = out_dev if out_dev is not None else cp.empty(prep.shape, prep.dtype)
     pointers = (y, *xs)
-    prep.function(prep.grid, prep.block, (*[pointers[i] for i in prep.order], *prep.int_args,
-                                          *map(np.float32, params)), stream=stream)
+    callsite.launch(prep.function, prep.grid, prep.block, (*[pointers[i] for i in prep.order], *prep.int_args,
+                                                           *map(np.float32, params)), stream=stream)
     if out is not None and out_dev is not out:
         if isinstance(out, np.ndarray):
             out[...] = y.get()
@@ -177,7 +178,7 @@ def _unary(op: str, summary: str):
 
     fn.__name__ = fn.__qualname__ = op
     fn.__doc__ = f"{summary}, elementwise, computed in float32. ``dtype`` casts the result."
-    return fn
+    return callsite.fast(fn)
 
 
 identity = _unary("identity", "x (a copy; with ``dtype`` a cast)")
@@ -193,11 +194,13 @@ swish = silu
 tanh = _unary("tanh", "tanh(x)")
 
 
+@callsite.fast
 def cast(x, dtype, *, out=None):
     """x converted to ``dtype`` (float32, float16 or bfloat16)."""
     return _run((("identity", ""),), (x,), ("x",), (), out, dtype)
 
 
+@callsite.fast
 def relu(x, negative_slope=0.0, clip=None, *, out=None, dtype=None):
     """max(x, 0), or x * negative_slope below 0 (leaky); ``clip`` caps the result (ReLU6: 6)."""
     return _run((("relu", ""),), (x,), ("x",), (negative_slope, math.inf if clip is None else clip),
@@ -207,22 +210,26 @@ def relu(x, negative_slope=0.0, clip=None, *, out=None, dtype=None):
 _GELU = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
+@callsite.fast
 def gelu(x, approximate="none", *, out=None, dtype=None):
     """x * Phi(x) (``approximate="none"``, erf) or its tanh approximation (``"tanh"``)."""
     op = checks.choice(_GELU, approximate, "approximate")
     return _run(((op, ""),), (x,), ("x",), (), out, dtype)
 
 
+@callsite.fast
 def elu(x, alpha=1.0, *, out=None, dtype=None):
     """x above 0, alpha * (e**x - 1) below."""
     return _run((("elu", ""),), (x,), ("x",), (alpha,), out, dtype)
 
 
+@callsite.fast
 def softplus(x, beta=1.0, threshold=20.0, *, out=None, dtype=None):
     """log(1 + e**(beta x)) / beta, and x itself where beta x > threshold (as PyTorch)."""
     return _run((("softplus", ""),), (x,), ("x",), (beta, threshold), out, dtype)
 
 
+@callsite.fast
 def scale(x, alpha, *, out=None, dtype=None):
     """alpha * x."""
     return _run((("mul", "p"),), (x,), ("x",), (alpha,), out, dtype)
@@ -241,7 +248,7 @@ def _binary(op: str, name: str, summary: str):
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = f"{summary}, elementwise with NumPy broadcasting; either operand may be a scalar."
-    return fn
+    return callsite.fast(fn)
 
 
 add = _binary("add", "add", "a + b")
@@ -258,6 +265,7 @@ ACTIVATIONS = {"identity": "identity", "relu": "relu", "gelu": "gelu", "gelu_tan
 LAYOUTS = {"NCHW": 1, "NHWC": -1}
 
 
+@callsite.fast
 def bias_act(x, bias, activation=None, *, layout="NCHW", out=None, dtype=None, stream=None, **params):
     """activation(x + bias), the bias broadcast along the channel axis, in one kernel.
 

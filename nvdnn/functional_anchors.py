@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, compiler, dtypes
+from . import arrays, callsite, compiler, dtypes
 from . import functional_checks as checks
 from .errors import ValidationError
 from .functional import ACTIVATIONS, _signature
@@ -96,6 +96,8 @@ def call(op: str, inputs: dict, attrs: dict | None = None, *, activation=None, a
                for k, meta in enumerate(built.outputs)]
     names = ["act" if act is not None else "out0"] + [f"out{k}" for k in range(1, len(results))]
     workspace = cp.empty(built.workspace, cp.uint8) if built.workspace else None
+    if workspace is not None:
+        callsite.note_scratch(workspace)
     built.graph.execute({**xs, **dict(zip(names, results))}, workspace, stream)
     if out is not None and out_dev is not out:
         if isinstance(out, np.ndarray):
@@ -116,7 +118,7 @@ def _reduction(op: str, summary: str):
     fn.__name__ = fn.__qualname__ = op
     fn.__doc__ = (f"{summary} over ``axis`` (an int, a tuple, or None for all), accumulated in float32; "
                   "NumPy's ``keepdims``; ``dtype`` the result type (default: x's).")
-    return fn
+    return callsite.fast(fn)
 
 
 sum = _reduction("sum", "Sum")  # noqa: A001 - NumPy's names
@@ -131,6 +133,7 @@ prod = _reduction("prod", "Product")
 
 # -- batch, group and instance norm ---------------------------------------------------------------
 
+@callsite.fast
 def batch_norm(x, running_mean, running_var, gamma=None, beta=None, *, training=False, momentum=0.1, eps=1e-5,
                activation=None, out=None, dtype=None, stream=None, **activation_params):
     """Batch norm of x (N, C, ...) in NCHW or NHWC (its strides say which).
@@ -186,12 +189,14 @@ def _batch_norm_training(x, running_mean, running_var, gamma, beta, momentum, ep
     return tuple(back(r) for r in results) if back is not None else results
 
 
+@callsite.fast
 def batch_norm_backward(dy, x, saved_mean, saved_invstd, gamma, *, dtype=None, stream=None):
     """(dx, dgamma, dbeta) of training batch norm, from the forward's saved statistics."""
     return call("batch_norm_backward", {"dy": dy, "x": x, "saved_mean": saved_mean, "saved_invstd": saved_invstd,
                                         "gamma": gamma}, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def group_norm(x, groups, gamma=None, beta=None, *, eps=1e-5, activation=None, out=None, dtype=None, stream=None,
                **activation_params):
     """Normalize x (N, C, ...) over (C / groups, spatial) per sample and group; gamma, beta per channel."""
@@ -199,6 +204,7 @@ def group_norm(x, groups, gamma=None, beta=None, *, eps=1e-5, activation=None, o
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def instance_norm(x, gamma=None, beta=None, *, eps=1e-5, activation=None, out=None, dtype=None, stream=None,
                   **activation_params):
     """Normalize x (N, C, ...) over its spatial dims per sample and channel."""
@@ -213,6 +219,7 @@ def _window(kernel_size, stride, padding, dilation, ceil_mode) -> dict:
             "dilation": _hashable(dilation), "ceil_mode": ceil_mode}
 
 
+@callsite.fast
 def max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, *, activation=None, out=None,
                dtype=None, stream=None):
     """Max over each window of x (N, C, H, W), NCHW or NHWC; PyTorch's output size and NaN rules."""
@@ -220,6 +227,7 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=Fal
                 activation=activation, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                divisor_override=None, *, activation=None, out=None, dtype=None, stream=None):
     """Mean over each window of x (N, C, H, W), NCHW or NHWC, as PyTorch's avg_pool2d."""
@@ -229,11 +237,13 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_in
                 activation=activation, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def global_avg_pool2d(x, *, activation=None, out=None, dtype=None, stream=None):
     """Mean over H and W of x (N, C, H, W): (N, C, 1, 1) in x's layout."""
     return call("global_avg_pool2d", {"x": x}, {}, activation=activation, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, *, dtype=None,
                         stream=None):
     """dL/dx of max_pool2d from dL/dy, the argmax recomputed from x (deterministic, no atomics)."""
@@ -241,6 +251,7 @@ def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
                 dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def avg_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                         divisor_override=None, *, dtype=None, stream=None):
     """dL/dx of avg_pool2d from dL/dy (x gives the input's shape and layout)."""
@@ -257,6 +268,7 @@ def _normalized(x, gamma, normalized_ndim):
     return len(getattr(gamma, "shape", (None,))) if gamma is not None else 1
 
 
+@callsite.fast
 def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, residual=None, activation=None,
                return_stats=False, out=None, dtype=None, stream=None, **activation_params):
     """``activation((h - mean) / sqrt(var + eps) * gamma + beta)`` over the last
@@ -268,6 +280,7 @@ def layer_norm(x, gamma=None, beta=None, *, eps=1e-5, normalized_ndim=None, resi
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def rms_norm(x, gamma=None, *, eps=1e-6, normalized_ndim=None, residual=None, activation=None, return_stats=False,
              out=None, dtype=None, stream=None, **activation_params):
     """``activation(h / sqrt(mean(h**2) + eps) * gamma)`` over the last ``normalized_ndim`` dims,
@@ -278,18 +291,21 @@ def rms_norm(x, gamma=None, *, eps=1e-6, normalized_ndim=None, residual=None, ac
                 activation=activation, activation_params=activation_params, out=out, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def layer_norm_backward(dy, x, mean, rstd, gamma, beta, *, normalized_ndim=None, dtype=None, stream=None):
     """(dx, dgamma, dbeta) of layer_norm from the forward's x (h with a residual) and saved statistics."""
     return call("layer_norm_backward", {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "gamma": gamma, "beta": beta},
                 {"normalized_ndim": _normalized(x, gamma, normalized_ndim)}, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def rms_norm_backward(dy, x, rstd, gamma, *, normalized_ndim=None, dtype=None, stream=None):
     """(dx, dgamma) of rms_norm from the forward's x and saved rstd."""
     return call("rms_norm_backward", {"dy": dy, "x": x, "rstd": rstd, "gamma": gamma},
                 {"normalized_ndim": _normalized(x, gamma, normalized_ndim)}, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream=None):
     """exp(t - max) / sum along ``axis``, t = x + ``mask`` (additive, broadcast to x). ``causal``:
     viewing the last two dims as (Sq, Sk), position (i, j) is masked where j > i + Sk - Sq; a
@@ -298,12 +314,14 @@ def softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream
                 dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def log_softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, stream=None):
     """log(softmax(x)) along ``axis``, computed stably; masking as ``softmax``."""
     return call("log_softmax", {"x": x, "mask": mask}, {"axis": axis, "causal": causal}, out=out,
                 dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def cross_entropy(x, labels, *, ignore_index=-100, grad_scale=1.0, dtype=None, stream=None):
     """(dx, loss) of softmax cross-entropy over x's last axis in one pass: dx = (softmax(x) -
     onehot(labels)) * grad_scale (x's dtype, or ``dtype``), loss = logsumexp(x) - x[label] per row
@@ -313,11 +331,13 @@ def cross_entropy(x, labels, *, ignore_index=-100, grad_scale=1.0, dtype=None, s
                                                               "grad_scale": grad_scale}, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
     """dx = y * (dy - sum(dy * y)) from softmax's output y."""
     return call("softmax_backward", {"dy": dy, "y": y}, {"axis": axis}, dtype=dtype, stream=stream)
 
 
+@callsite.fast
 def log_softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
     """dx = dy - exp(y) * sum(dy) from log_softmax's output y."""
     return call("log_softmax_backward", {"dy": dy, "y": y}, {"axis": axis}, dtype=dtype, stream=stream)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from . import arrays, dtypes, launcher
+from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .functional import _signature
@@ -26,6 +26,7 @@ def _one(cp, device: int):
     one = _ONES.get(device)
     if one is None:
         one = _ONES[device] = cp.ones(1, cp.float32)
+    callsite.note_constant(one)
     return one
 
 
@@ -58,6 +59,7 @@ def _scalar(x, name: str):
     return x
 
 
+@callsite.fast
 def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=None, activation=None, out=None,
            dtype=None, precision="exact", a_dtype=None, b_dtype=None, scale_a=None, scale_b=None, scale_out=None,
            amax=None, split_k=None, stream=None, **activation_params):
@@ -141,6 +143,7 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     if math.prod(shape):
         launcher.run(plan, tensors, stream=stream)
     elif scales["amax"] is not None:  # no output element: its max |y| is 0
+        callsite.refuse("a fill, not a kernel of the plan")
         with (stream if stream is not None else cp.cuda.get_current_stream()):
             scales["amax"].fill(0)
     if out is not None and out_dev is not out:

@@ -6,7 +6,7 @@ import contextlib
 
 import numpy as np
 
-from . import arrays, compiler, runtime
+from . import arrays, callsite, compiler, runtime
 from .cache import default_cache
 from .errors import ValidationError
 from .kernels import Plan
@@ -21,20 +21,6 @@ def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:
         offsets.append(size)
         size += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
     return tuple(offsets), size
-
-
-def resolve_args(args: tuple, pointers: list) -> tuple:
-    """Scalar arguments with those known only at launch resolved: an argument with a
-    ``resolve(address)`` method (a TMA tensor map) becomes its value over the address of
-    pointer argument ``arg.pointer`` (a CuPy array, a workspace view or an address). Host work
-    only: no synchronization."""
-    out = []
-    for a in args:
-        if hasattr(a, "resolve"):
-            p = pointers[a.pointer]
-            a = a.resolve(int(p) if isinstance(p, (int, np.integer)) else p.data.ptr)
-        out.append(a)
-    return tuple(out)
 
 
 def has_deferred(args: tuple) -> bool:
@@ -60,6 +46,7 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
         # ordered after it on that stream, so the launches below still own it when this returns
         with stream if stream is not None else contextlib.nullcontext():
             workspace = cp.empty(size, dtype=cp.uint8)
+        callsite.note_scratch(workspace)
     if size and workspace.nbytes < size:
         raise ValidationError(f"workspace: the plan needs {size} bytes, got {workspace.nbytes}", arg="workspace")
     for launch, fn in zip(plan.launches, functions(plan, device)):
@@ -71,6 +58,6 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
                 pointers.append(tensors[role])
             else:
                 raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
-        args = resolve_args(launch.args, pointers) if has_deferred(launch.args) else launch.args
         grid = runtime.resident_grid(fn, launch.spec, launch.grid, launch.block, launch.shared_mem)
-        fn(grid, launch.block, (*pointers, *args), shared_mem=launch.shared_mem, stream=stream)
+        callsite.launch(fn, grid, launch.block, (*pointers, *launch.args), launch.shared_mem, stream,
+                        has_deferred(launch.args))

@@ -118,7 +118,8 @@ class DependentFunction:
 
 
 def param_kinds(args) -> tuple:
-    """Each argument's kind: None for a CuPy array (its device address), else its type."""
+    """Each argument's kind: None for a CuPy array (its device address), int for an address
+    given as a Python int (as a replayed call passes them), else its type."""
     import cupy
     return tuple(None if type(a) is cupy.ndarray else a.dtype if isinstance(a, np.generic) else type(a)
                  for a in args)
@@ -126,15 +127,15 @@ def param_kinds(args) -> tuple:
 
 def param_format(kinds: tuple) -> str:
     """The struct format of kernel arguments of these kinds, one 8-byte slot each."""
-    unknown = [getattr(k, "__name__", str(k)) for k in kinds if k is not None and k not in _SLOT]
+    unknown = [getattr(k, "__name__", str(k)) for k in kinds if k is not None and k is not int and k not in _SLOT]
     if unknown:
-        raise TypeError(f"kernel arguments: {', '.join(unknown)} are neither CuPy arrays nor 32/64-bit NumPy "
-                        "scalars")
-    return "<" + "".join("Q" if k is None else _SLOT[k] for k in kinds)
+        raise TypeError(f"kernel arguments: {', '.join(unknown)} are neither CuPy arrays, addresses nor 32/64-bit "
+                        "NumPy scalars")
+    return "<" + "".join("Q" if k is None or k is int else _SLOT[k] for k in kinds)
 
 
 def param_values(args, kinds: tuple) -> list:
-    return [a.data.ptr if k is None else a.item() for a, k in zip(args, kinds)]
+    return [a.data.ptr if k is None else a if k is int else a.item() for a, k in zip(args, kinds)]
 
 
 def resident_grid(function, spec, grid: tuple, block: tuple, shared_mem: int) -> tuple:

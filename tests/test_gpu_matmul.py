@@ -379,6 +379,8 @@ def test_graph_execute_and_capture():
     """The graph path launches the Hopper kernel with its tensor maps resolved at each launch."""
     import cupy
     import ml_dtypes
+
+    import nvdnn
     from nvdnn import reference as ref
     g, f = matmul_graphs(arch=None)
     g.build()
@@ -394,6 +396,11 @@ def test_graph_execute_and_capture():
     g.capture({"x": x, "w": w, "b": b[0], "y": y}).replay()
     cupy.cuda.Device().synchronize()
     compare(y.get().astype(np.float64), want, "bfloat16", "graph capture replay", 1024)
+    key = b"a 32-byte signing key, for tests"
+    signed = nvdnn.Graph.deserialize(g.serialize(key=key), key=key)  # the wgmma kernel, verified and loaded
+    y.fill(np.nan)
+    signed.execute({"x": x, "w": w, "b": b[0], "y": y})
+    compare(y.get().astype(np.float64), want, "bfloat16", "signed blob", 1032)
     f.build()
     a8, a64 = _matrix(1000, 1024, "float8_e4m3", False, 0, rng, 2.0)
     w8, w864 = _matrix(1024, 1029, "float8_e4m3", True, 0, rng, 2.0)

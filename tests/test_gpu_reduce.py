@@ -53,7 +53,10 @@ def _run(plan, tensors):
 SHAPES = [((1,), None), ((7,), None), ((1000,), None), ((65537,), None), ((1 << 22,), None),
           ((3, 1), (1,)), ((3, 7), (1,)), ((5, 1000), (1,)), ((2, 65537), (1,)), ((64, 1 << 16), (1,)),
           ((7, 5), (0,)), ((1000, 33), (0,)), ((65537, 8), (0,)), ((4096, 1024), (0,)), ((2, 1000, 3), (1,)),
-          ((4, 5, 6, 7), (0, 2)), ((4, 5, 6, 7), (1, 3)), ((3, 4, 5), ()), ((8, 64, 14, 14), (0, 2, 3))]
+          ((4, 5, 6, 7), (0, 2)), ((4, 5, 6, 7), (1, 3)), ((3, 4, 5), ()), ((8, 64, 14, 14), (0, 2, 3)),
+          # split reductions finished by their last block (test_gpu_split.py): odd column shapes
+          ((1, 1), (0,)), ((4099, 3), (0,)), ((3, 4099), (1,)), ((3, 4099), (0,)), ((8191, 1025), (0,)),
+          ((1025, 8191), (0,)), ((13, 4099, 3), (1,)), ((5, 7, 4099), (0, 1)), ((1 << 20,), None)]
 SCALE = {"sum": "norm1", "mean": "norm1", "norm1": "norm1", "norm2": "norm2"}
 
 
@@ -317,7 +320,7 @@ def test_dependent_launches_see_the_kernel_ahead(dtype):
         assert isinstance(launcher.functions(plan, cupy.cuda.runtime.getDevice())[0], runtime.DependentFunction)
     want = src64
     for _ in range(steps):
-        want = ref.batch_norm(want, m64, v64, g64, b64, 1e-3).astype(host_dtype(dtype)).astype(np.float64)
+        want = ref.batch_norm(want, m64, v64, g64, b64, eps=1e-3).astype(host_dtype(dtype)).astype(np.float64)
     extra = {"mean": mean, "var": var, "gamma": gamma, "beta": beta}
     buffers = _like(src, dtype), _like(src, dtype)
 

@@ -165,8 +165,9 @@ def _row_spec(**kw):
 
 
 @pytest.mark.parametrize("bad,arg", [
-    (dict(op="median"), "op"), (dict(kind="moments"), "kind"), (dict(stage="partial"), "output"),
-    (dict(stage="final"), "input"), (dict(vec=16), "vec"), (dict(input="float32", vec=8), "vec"),
+    (dict(op="median"), "op"), (dict(kind="moments"), "kind"), (dict(stage="partial"), "stage"),
+    (dict(stage="final"), "stage"), (dict(kind="moments", stage="split", output="float16"), "output"),
+    (dict(stage="split", group=32), "group"), (dict(param="float16"), "param"), (dict(vec=16), "vec"), (dict(input="float32", vec=8), "vec"),
     (dict(access="gat"), "vec"), (dict(kdims=8), "kdims"), (dict(group=64), "group"), (dict(block=32), "block"),
     (dict(index="int16"), "index"), (dict(input="float8_e4m3"), "input"),
 ])
@@ -180,8 +181,11 @@ def test_other_specs_validate_and_round_trip():
     with pytest.raises(ValidationError, match="bx"):
         R.ColReduceSpec(kind="plain", op="sum", stage="full", input="float32", output="float32", vec=4,
                         index="int32", bx=32, block=32)
-    with pytest.raises(ValidationError, match="update"):
-        bn.StatsSpec(mode="gn", param="float32", affine=True, update=True)
+    with pytest.raises(ValidationError, match="mode"):  # training batch_norm finishes in its split
+        bn.StatsSpec(mode="bn", param="float32", affine=True)
+    moments = dict(kind="moments", op="sum", stage="split", input="float16", output="float32", vec=8,
+                   index="int32", param="bfloat16", affine=True, update=True)
+    assert ".bn.pbf16.affine.update/" in R.ColReduceSpec(**moments).uri
     affine = dict(input="float16", output="float16", param="float32", source="coef", affine=False, backward=True,
                   layout="col", per_sample=False, steps=(), vec=8, index="int32")
     bn.AffineSpec(**affine)
@@ -259,10 +263,16 @@ def test_channel_plan_errors():
 
 
 def test_plan_shapes():
-    full = R.plan_reduce("amax", op((1 << 22,), "bfloat16"))
-    assert [l.spec.stage for l in full.launches] == ["partial", "final"]
-    assert full.launches[0].pointers == ("scratch0", "x") and full.launches[1].pointers == ("y", "scratch0")
+    full = R.plan_reduce("amax", op((1 << 22,), "bfloat16"))  # split, finished by its last block
+    assert [l.spec.stage for l in full.launches] == ["split"] and full.launches[0].grid[1] > 1
+    assert full.launches[0].pointers == ("y", "scratch0", "x")
     assert full.launches[0].spec.vec == 8 and full.scratch == (4 * full.launches[0].grid[1],)
+    for shape, axes in (((8192, 8192), (0,)), ((7, 5), (0,)), ((4099, 3), (0,)), ((3, 4099), (1,)),
+                        ((8191, 1025), (0,)), ((1, 1), (0,)), ((64, 56, 56, 32), (0, 1, 2))):
+        plan = R.plan_reduce("sum", op(shape), axes)
+        assert len(plan.launches) == 1 and plan.launches[0].spec.dependent_launch, (shape, axes)
+    col = R.plan_reduce("sum", op((8192, 8192)), (0,)).launches[0]  # 64 column tiles x 16 splits
+    assert col.spec.stage == "split" and col.grid == (64, 16, 1) and col.spec.vec == 4
     rows = R.plan_reduce("sum", op((4096, 1024), "float16"), (-1,))
     assert len(rows.launches) == 1 and rows.launches[0].spec.group == 32 and rows.scratch == ()
     cols = R.plan_reduce("mean", op((4096, 1024)), (0,))
@@ -281,6 +291,18 @@ def test_plan_shapes():
     train = bn.plan_batch_norm_training(op((32, 256, 28, 28), "float16"), vec(256), vec(256), vec(256), vec(256))
     roles = {p for l in train.launches for p in l.pointers}
     assert roles >= {"y", "x", "gamma", "beta", "running_mean", "running_var", "saved_mean", "saved_invstd"}
+    for shape, strides in (((32, 256, 56, 56), nhwc((32, 256, 56, 56))), ((32, 256, 56, 56), None),
+                           ((13, 3, 7, 11), None), ((13, 129, 7, 11), nhwc((13, 129, 7, 11))), ((2, 1, 1, 3), None)):
+        for gamma, running in ((vec(shape[1]), vec(shape[1])), (None, None)):
+            plan = bn.plan_batch_norm_training(op(shape, "float16", strides), gamma, gamma, running, running,
+                                               epilogue=[("relu", "")], params=(0.0, math.inf))
+            stats, apply = plan.launches  # statistics finished in the split's last block, then the apply
+            assert (stats.spec.kind, stats.spec.stage, stats.spec.update) == ("moments", "split", running is not None)
+            assert apply.spec.source == "coef" and apply.spec.dependent_launch
+            assert stats.pointers[0] == apply.pointers[-1] == "scratch1" and plan.scratch[1] == 16 * shape[1]
+    nhwc_stats = bn.plan_batch_norm_training(op((32, 256, 56, 56), "float16", nhwc((32, 256, 56, 56))), None,
+                                             None).launches[0]
+    assert nhwc_stats.grid == (8, 128, 1) and nhwc_stats.spec.bx == 4  # 8 tiles of 32 channels, 128 splits
 
 
 # -- emulated index walks: every element read once, by its own output ----------------------------
@@ -316,7 +338,7 @@ def _walk(launch):
             for d in range(spec.kdims - 1, 0, -1):
                 koff, rem = koff + (rem % ks[d]) * a[f"kst{d}"], rem // ks[d]
             koff += rem * a["kst0"] if spec.kdims else 0
-            key = (o, by) if spec.stage == "partial" else o
+            key = (o, by) if spec.stage != "full" else o
             begin = by * a["chunk"]
             v = begin + lane
             while v < min(begin + a["chunk"], a["total"]):
@@ -340,7 +362,7 @@ def _walk(launch):
             for r in range(by * a["rchunk"] + ty, min(by * a["rchunk"] + a["rchunk"], a["n_rows"]), by_):
                 for j in range(spec.vec):
                     out = ob * a["n_inner"] + i0 + j
-                    got[(out, by) if spec.stage == "partial" else out].append(ob * a["so"] + i0 + j + r * a["rs"])
+                    got[(out, by) if spec.stage != "full" else out].append(ob * a["so"] + i0 + j + r * a["rs"])
     return got
 
 
@@ -362,16 +384,18 @@ def test_reduction_walks_cover_every_element_once(shape, axes, dtype):
     for strides in (dense(shape), tuple(reversed(dense(tuple(reversed(shape)))))):  # row-major and transposed
         plan = R.plan_reduce("sum", op(shape, dtype, strides), axes)
         want = _offsets(shape, strides, R.normalize_axes(axes, len(shape)))
-        first = _walk(plan.launches[0])
-        if len(plan.launches) == 1:
-            assert {o: sorted(v) for o, v in first.items()} == dict(enumerate(want))
+        assert len(plan.launches) == 1
+        launch = plan.launches[0]
+        got = _walk(launch)
+        if launch.spec.stage == "full":
+            assert {o: sorted(v) for o, v in got.items()} == dict(enumerate(want))
             continue
-        final = _walk(plan.launches[1])
-        splits = {s for _, s in first}
+        splits = range(launch.grid[1])
         for o, offsets in enumerate(want):
-            assert sorted(x for s in splits for x in first.get((o, s), [])) == offsets
-            assert sorted(final[o]) == sorted(_record(plan.launches[0], o, s) for s in splits
-                                              if (o, s) in first)
+            assert sorted(x for s in splits for x in got.get((o, s), [])) == offsets
+        # every (output, split) has its own record inside the scratch; the last block reads them all
+        records = [_record(launch, o, s) for o in range(len(want)) for s in splits]
+        assert len(set(records)) == len(records) and max(records) < plan.scratch[0] // 4
 
 
 def test_channel_statistics_walks():
@@ -511,7 +535,57 @@ def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
     if tool is None:
         pytest.skip("cuobjdump not found")
     specs = [s for s in dict.fromkeys(R.preset() + _bn_target_tiles()) if s.dependent_launch]
-    assert {s.family for s in specs} == {"reduce_affine"} and len(specs) >= 20
+    assert {s.family for s in specs} == {"reduce_affine", "reduce_rows", "reduce_cols"} and len(specs) >= 20
     for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1]:
         for arch in ARCHS:
             check_dependent_wait(_sass(tool, warmed, spec, arch, tmp_path), arch, spec.uri)
+
+
+def test_grid_finish_piece_compiles_alone(tmp_path):
+    """common/grid_finish.cuh in a minimal harness: one atomic add per block on its counter, the
+    last block's reset, and partials read through L2 (ld.global.cg: LDG.E.STRONG.GPU)."""
+    from nvdnn import codegen, compiler
+    source = codegen.environment().from_string('''{% include "common/grid_finish.cuh" %}
+extern "C" __global__ void piece(float* part, float* y) {
+  if (threadIdx.x == 0) part[blockIdx.y * gridDim.x + blockIdx.x] = 1.0f;
+  if (!nvdnn::last_to_arrive(blockIdx.x, gridDim.y)) return;
+  if (threadIdx.x == 0) {
+    float s = 0.0f;
+    for (unsigned k = 0; k < gridDim.y; ++k) s += nvdnn::ld_partial(part + k * gridDim.x + blockIdx.x);
+    y[blockIdx.x] = s;
+  }
+}
+''').render()
+    tool = _cuobjdump()
+    for arch in ARCHS:
+        cubin = compiler.compile_cubin(source, name="piece.cu", options=compiler.options_for(arch)).cubin
+        if tool is None:
+            continue
+        path = tmp_path / f"piece-{arch}.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+        assert "ATOMG.E.ADD" in sass and "LDG.E.STRONG.GPU" in sass and "MEMBAR" in sass, arch
+
+
+def test_one_launch_kernels_finish_with_one_counter_atomic(warmed, tmp_path):
+    """The split kernels of sum(axis=0) 8192^2 fp32 and training batch norm (fp16 NHWC): 128-bit
+    loads of x, one global atomic (the tile counter), no local memory."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    shape = (32, 256, 56, 56)
+    specs = [R.plan_reduce("sum", op((8192, 8192)), (0,)).launches[0].spec,
+             bn.plan_batch_norm_training(op(shape, "float16", nhwc(shape)), vec(256), vec(256), vec(256),
+                                         vec(256)).launches[0].spec]
+    for spec in specs:
+        for arch in ARCHS:
+            entry = warmed["entries"].get((spec.uri, arch))
+            path = tmp_path / f"split-{arch}.cubin"
+            if entry is None:
+                from nvdnn.cache import default_cache
+                entry = default_cache().get(spec, arch)
+            path.write_bytes(entry.cubin)
+            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True,
+                                  timeout=120).stdout
+            assert "LDG.E.128" in sass and len(re.findall(r"\bATOMG\.", sass)) == 1, (spec.uri, arch)
+            assert "LDL" not in sass and "STL" not in sass, (spec.uri, arch)

@@ -28,7 +28,13 @@ def test_parameters_are_one_8_byte_slot_each_in_the_kernels_types():
     assert struct.unpack_from("<f", raw, 32)[0] == np.inf
 
 
-@pytest.mark.parametrize("bad,name", [(7, "int"), (1.5, "float"), (np.float16(1.0), "float16"), ("x", "str")])
+def test_a_python_int_is_an_address_in_an_8_byte_slot():
+    """A replayed call passes device addresses as Python ints."""
+    raw = _packed((np.int32(1), 0x7F00_0000_1230))
+    assert struct.unpack_from("<Q", raw, 8)[0] == 0x7F00_0000_1230
+
+
+@pytest.mark.parametrize("bad,name", [(1.5, "float"), (np.float16(1.0), "float16"), ("x", "str")])
 def test_parameters_of_other_types_are_refused_by_name(bad, name):
     with pytest.raises(TypeError, match=f"kernel arguments: {name} are neither"):
         _packed((np.int32(1), bad))

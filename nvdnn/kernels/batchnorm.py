@@ -2,7 +2,7 @@
 instance_norm forward, for (N, C), (N, C, L) and (N, C, H, W) inputs whose strides are dense
 NCHW or NHWC (dims always in N, C, spatial order: the strides say the layout).
 
-Each op is a short plan over three kernels:
+Each op is a short plan over three kernels (training batch_norm: two, see below):
   statistics  a split reduction of kernels/reduce.py into float32 records in scratch:
               shifted moments per channel (batch) or per sample and group (group), or the
               backward sums [sum dy, sum dy * (x - mean)] per channel;
@@ -12,7 +12,9 @@ Each op is a short plan over three kernels:
   affine      templates/reduce/affine.cu.j2: y = epilogue((x - mu) * a + b), or for the
               backward dx = (x - mu) * a + b + dy * A.
 Inference is the affine pass alone, its coefficients computed in the kernel from the running
-statistics. eps, momentum and epilogue parameters are kernel arguments.
+statistics. Training batch_norm is two launches: the split reduction's last block per channel
+tile computes the statistics and coefficients itself (reduce/moments.cuh.j2, the stats kernel's
+own code), then the affine pass, launched as a dependent grid. eps, momentum and epilogue parameters are kernel arguments.
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
 from .pointwise import Operand, chain_params, chain_steps, check_epilogue
-from .reduce import DTYPES, KINDS, check_operand, split_reduce
+from .reduce import DTYPES, KINDS, BatchNormFinish, check_operand, split_reduce
 
-STATS_MODES = ("bn", "gn", "bn_bwd")
+STATS_MODES = ("gn", "bn_bwd")   # training batch_norm finishes its statistics in the split
 AFFINE_BLOCKS = (64, 128, 256, 512, 1024)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
 
@@ -40,45 +42,40 @@ class StatsSpec(KernelSpec):
     family = "reduce_stats"
     template = "reduce/stats.cu.j2"
 
-    mode: str        # bn | gn | bn_bwd (see the template)
-    param: str       # data type of gamma, beta, running statistics, dgamma, dbeta
+    mode: str        # gn | bn_bwd (see the template)
+    param: str       # data type of gamma, beta, dgamma, dbeta
     affine: bool     # gamma (and beta) given
-    update: bool     # bn: update the running statistics
     block: int = 256
 
     def validate(self) -> None:
         one_of(self.mode, STATS_MODES, "mode")
         one_of(self.param, DTYPES, "param")
         one_of(self.affine, (False, True), "affine")
-        one_of(self.update, (False, True), "update")
         one_of(self.block, (128, 256), "block")
-        if self.update and self.mode != "bn":
-            raise ValidationError("update: only training batch_norm updates running statistics", arg="update")
 
     @property
     def uri(self) -> str:
         return (f"reduce_stats/{self.mode}/{dtypes.BY_NAME[self.param].short}"
-                f"{'.affine' if self.affine else ''}{'.update' if self.update else ''}/b{self.block}")
+                f"{'.affine' if self.affine else ''}/b{self.block}")
 
     def pointers(self) -> list[str]:
         """Kernel pointer parameters with their roles ('coef' and 'part' are scratch)."""
         if self.mode == "bn_bwd":
             out = ["coef"] + (["dgamma", "dbeta"] if self.affine else []) + ["saved_mean", "saved_invstd"]
             return out + (["gamma"] if self.affine else []) + ["part"]
-        out = ["coef", "saved_mean", "saved_invstd"] + (["running_mean", "running_var"] if self.update else [])
-        return out + (["gamma", "beta"] if self.affine else []) + ["part"]
+        return ["coef", "saved_mean", "saved_invstd"] + (["gamma", "beta"] if self.affine else []) + ["part"]
 
     def render_context(self) -> dict:
         types = {"coef": "float4*", "saved_mean": "float*", "saved_invstd": "float*", "part": "const float*",
-                 "running_mean": "param_t*", "running_var": "param_t*", "dgamma": "param_t*", "dbeta": "param_t*",
+                 "dgamma": "param_t*", "dbeta": "param_t*",
                  "gamma": "const param_t*", "beta": "const param_t*"}
         if self.mode == "bn_bwd":
             types.update(saved_mean="const float*", saved_invstd="const float*")
         ints = ["n", "channels", "group_size", "splits", "stride_out", "stride_split"]
         return {"mode": self.mode, "param_ctype": dtypes.BY_NAME[self.param].ctype, "affine": self.affine,
-                "update": self.update, "block": self.block, "nrec": KINDS["dydx" if self.mode == "bn_bwd" else "moments"],
+                "block": self.block, "nrec": KINDS["dydx" if self.mode == "bn_bwd" else "moments"],
                 "kernel_params": [f"{types[p]} __restrict__ {p}" for p in self.pointers()]
-                + [f"long long {i}" for i in ints] + ["float count", "float eps", "float momentum"]}
+                + [f"long long {i}" for i in ints] + ["float count", "float eps"]}
 
 
 @dataclass(frozen=True)
@@ -365,14 +362,14 @@ def _col_loop(cv: int, backward: bool, per_sample: bool, itemsize: int) -> dict:
     return {"bx": min(32, 1 << math.ceil(math.log2(cv))), **COL_LOOPS[kind]}
 
 
-def _stats(mode: str, param: str, affine: bool, update: bool, records, *, n: int, channels: int, group_size: int,
-           count: int, eps: float = 0.0, momentum: float = 0.0, pointers: dict) -> Launch:
-    spec = StatsSpec(mode=mode, param=param, affine=affine, update=update)
+def _stats(mode: str, param: str, affine: bool, records, *, n: int, channels: int, group_size: int,
+           count: int, eps: float = 0.0, pointers: dict) -> Launch:
+    spec = StatsSpec(mode=mode, param=param, affine=affine)
     roles = {"part": records.role, **pointers}
     return Launch(spec, (-(-n // (spec.block // 32)), 1, 1), (spec.block, 1, 1), 0, tuple(roles.get(p, p) for p in spec.pointers()),
                   tuple(np.int64(v) for v in (n, channels, group_size, records.splits, records.stride_out,
                                               records.stride_split))
-                  + (np.float32(count), np.float32(eps), np.float32(momentum)))
+                  + (np.float32(count), np.float32(eps)))
 
 
 def _stat_axes(x: Operand) -> tuple[int, ...]:
@@ -406,7 +403,8 @@ def plan_batch_norm_training(x: Operand, gamma: Operand | None, beta: Operand | 
     gamma + beta). Writes "saved_mean", "saved_invstd" (float32, (C,)) and updates
     "running_mean" / "running_var" in place when given (unbiased variance, as PyTorch). Roles
     "y", "x", "gamma", "beta", "running_mean", "running_var", "saved_mean", "saved_invstd";
-    scratch: the split records, then C float4 coefficients."""
+    scratch: the split records, then C float4 coefficients. Two launches: statistics (their
+    last block per channel tile finishes them), then the affine pass."""
     lay = layout_of(x)
     if (gamma is None) != (beta is None) or (running_mean is None) != (running_var is None):
         raise ValidationError("gamma: give gamma with beta, and running_mean with running_var", arg="gamma")
@@ -418,13 +416,11 @@ def plan_batch_norm_training(x: Operand, gamma: Operand | None, beta: Operand | 
                               f"{count} for shape {tuple(x.shape)}", arg="x")
     steps = check_epilogue(epilogue, params)
     eps, momentum = _float(eps, "eps", positive=True), _float(momentum, "momentum")
-    split = split_reduce("moments", "sum", x, _stat_axes(x), "float32")
-    coef = f"scratch{len(split.scratch)}"
-    stats = _stats("bn", param, gamma is not None, running_mean is not None, split.records, n=lay.c,
-                   channels=lay.c, group_size=1, count=count, eps=eps, momentum=momentum, pointers={"coef": coef})
+    finish = BatchNormFinish(param, gamma is not None, running_mean is not None, count, eps, momentum, "scratch1")
+    split = split_reduce("moments", "sum", x, _stat_axes(x), "float32", bn=finish)
     apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", steps=steps, params=params,
-                    pointers={"coef": coef})
-    return Plan((*split.launches, stats, apply), (*split.scratch, 16 * lay.c))
+                    pointers={"coef": finish.coef})
+    return Plan((*split.launches, apply), (*split.scratch, 16 * lay.c))
 
 
 def plan_batch_norm_backward(dy: Operand, x: Operand, saved_mean: Operand, saved_invstd: Operand,
@@ -440,7 +436,7 @@ def plan_batch_norm_backward(dy: Operand, x: Operand, saved_mean: Operand, saved
     param = _per_channel({"gamma": gamma}, lay.c) or "float32"
     split = split_reduce("dydx", "sum", x, _stat_axes(x), "float32", dy=dy)
     coef = f"scratch{len(split.scratch)}"
-    stats = _stats("bn_bwd", param, gamma is not None, False, split.records, n=lay.c, channels=lay.c,
+    stats = _stats("bn_bwd", param, gamma is not None, split.records, n=lay.c, channels=lay.c,
                    group_size=1, count=lay.n * lay.hw, pointers={"coef": coef})
     apply = _affine(lay, x, _out_dtype(dx_dtype, x, "dx_dtype"), dx_align, source="coef", backward=True,
                     pointers={"coef": coef, "y": "dx"}, extra_align=dy.align)
@@ -476,7 +472,7 @@ def plan_group_norm(x: Operand, groups: int, gamma: Operand | None = None, beta:
     if not save_stats:
         saved = {"saved_mean": f"scratch{k + 1}", "saved_invstd": f"scratch{k + 2}"}
         scratch += [4 * lay.n * groups] * 2
-    stats = _stats("gn", param, gamma is not None, False, split.records, n=lay.n * lay.c, channels=lay.c,
+    stats = _stats("gn", param, gamma is not None, split.records, n=lay.n * lay.c, channels=lay.c,
                    group_size=cg, count=cg * lay.hw, eps=_float(eps, "eps", positive=True),
                    pointers={"coef": coef, **saved})
     apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", per_sample=True, steps=steps,

@@ -9,8 +9,10 @@ order, reduced dims in any order), a request takes one of two kernels:
   cols  templates/reduce/cols.cu.j2: one reduced dim above a contiguous kept dim (reducing
         the leading axes): threads along the kept dim, every warp reading whole rows.
 When outputs are too few to fill the GPU, blocks split the reduced space and write float32
-partials to scratch; a second launch combines them in a fixed order (deterministic, no
-atomics). Sizes and strides are kernel arguments; the spec keeps only dim counts.
+partials to scratch; the last block of an output tile to arrive (common/grid_finish.cuh)
+combines them in a fixed order and writes the output in the same launch (stage "split":
+deterministic, no atomics on the data; for batch-norm moments it also writes the statistics
+and coefficients). Sizes and strides are kernel arguments; the spec keeps only dim counts.
 """
 from __future__ import annotations
 
@@ -35,62 +37,90 @@ OPS = {
     "prod": ("ReduceProd", "", ""),
 }
 # plain: OPS[op]; moments: [S1, S2, shift] of x - shift; dydx: [sum dy, sum dy * (x - mean)].
-KINDS = {"plain": 1, "moments": 3, "dydx": 2}   # kind -> floats per partial record
-STAGES = ("full", "partial", "final")            # final: combine float partials of a split
+KINDS = {"plain": 1, "moments": 3, "dydx": 2}   # kind -> floats per partial record of stage "partial"
+# full: one block per output; partial: records for a statistics kernel; split: records that the
+# last block to arrive finishes (a split record holds the accumulators only)
+STAGES = {"plain": ("full", "split"), "moments": ("partial", "split"), "dydx": ("partial",)}
 DTYPES = ("float32", "float16", "bfloat16")
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 UNROLLS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 MAX_DIMS = 8
 TARGET_BLOCKS = 1024     # blocks a split reduction aims for: ~8 per SM of an H200 (132 SMs)
+GRID_COUNTERS = 4096     # output tiles of one split launch (the counters of common/grid_finish.cuh)
+SPLIT_TILES = 16         # column tiles a split column reduction narrows its blocks to reach: fewer
+#                          splits per tile keep the last block's pass over the records short
 _INT32_LIMIT = 2 ** 31 - 1
 
 
 def _check_common(spec) -> None:
     one_of(spec.kind, tuple(KINDS), "kind")
     one_of(spec.op, tuple(OPS), "op")
-    one_of(spec.stage, STAGES, "stage")
+    one_of(spec.stage, ("full", "partial", "split"), "stage")
     one_of(spec.input, DTYPES, "input")
     one_of(spec.output, DTYPES, "output")
     one_of(spec.vec, VECS, "vec")
     one_of(spec.index, ("int32", "int64"), "index")
     one_of(spec.block, BLOCKS, "block")
     one_of(spec.unroll, UNROLLS, "unroll")
-    if spec.kind != "plain" and (spec.op != "sum" or spec.stage != "partial"):
-        raise ValidationError(f"kind: {spec.kind} sums into partial records (op='sum', stage='partial')",
+    if spec.kind != "plain" and (spec.op != "sum" or spec.stage not in STAGES[spec.kind]):
+        raise ValidationError(f"kind: {spec.kind} sums (op='sum') in stage {' or '.join(STAGES[spec.kind])}",
                               arg="kind")
-    if spec.stage == "partial" and spec.output != "float32":
-        raise ValidationError("output: partial records are float32", arg="output")
-    if spec.stage == "final" and spec.input != "float32":
-        raise ValidationError("input: a final stage reads float32 partials", arg="input")
+    if spec.stage not in STAGES[spec.kind]:
+        raise ValidationError(f"stage: {spec.stage} is not a stage of kind {spec.kind}", arg="stage")
+    if spec.kind != "plain" and spec.output != "float32":
+        raise ValidationError("output: statistics are float32", arg="output")
+    one_of(spec.param, DTYPES, "param")
+    one_of(spec.affine, (False, True), "affine")
+    one_of(spec.update, (False, True), "update")
+    if not _bn(spec) and (spec.param, spec.affine, spec.update) != ("float32", False, False):
+        raise ValidationError("param: gamma, beta and running statistics belong to a batch-norm finish "
+                              "(kind='moments', stage='split')", arg="param")
     if spec.vec * dtypes.BY_NAME[spec.input].itemsize > 16:
         raise ValidationError(f"vec: {spec.vec} elements of {spec.input} exceed 16 bytes", arg="vec")
 
 
-def _context(spec, acc: str) -> dict:
+def _bn(spec) -> bool:
+    """A split of batch-norm moments: its last block writes the statistics (reduce/moments.cuh.j2)."""
+    return spec.kind == "moments" and spec.stage == "split"
+
+
+def _context(spec, acc: str, ints) -> dict:
     combine, map_, finish = OPS[spec.op]
+    nacc = min(KINDS[spec.kind], 2)
+    scalars = ["inv_count"] + (["count", "eps", "momentum"] if _bn(spec) else [])
     return {
         "index_t": "int" if spec.index == "int32" else "long long",
         "in_ctype": dtypes.BY_NAME[spec.input].ctype, "out_ctype": dtypes.BY_NAME[spec.output].ctype,
-        "combine": combine, "map": "" if spec.stage == "final" else map_,
+        "param_ctype": dtypes.BY_NAME[spec.param].ctype, "affine": spec.affine, "update": spec.update,
+        "combine": combine, "map": map_,
         "vec": spec.vec, "block": spec.block, "unroll": spec.unroll, "kind": spec.kind, "stage": spec.stage,
-        "nacc": min(KINDS[spec.kind], 2), "nrec": KINDS[spec.kind],
+        "nacc": nacc, "nrec": KINDS[spec.kind] if spec.stage == "partial" else nacc,
         "finish": {"": acc, "mean": f"{acc} * inv_count", "sqrt": f"sqrtf({acc})"}[finish],
+        "kernel_params": [f"{ctype} __restrict__ {name}" for name, ctype in _pointers(spec)]
+        + [f"index_t {n}" for n in ints] + [f"float {n}" for n in scalars],
     }
 
 
-def _pointer_params(spec) -> list[str]:
-    out = ["float* __restrict__ part" if spec.stage == "partial" else "out_t* __restrict__ y"]
-    if spec.kind == "dydx":
-        out.append("const in_t* __restrict__ dy")
-    out.append("const in_t* __restrict__ x")
-    if spec.kind == "dydx":
-        out.append("const float* __restrict__ mean")
+def _pointers(spec) -> list[tuple[str, str]]:
+    """(kernel parameter, C type) of each pointer, in order; the launch binds each by its name's
+    role ("part" and "coef" are scratch; dydx reads "saved_mean" as ``mean``)."""
+    if _bn(spec):
+        out = [("coef", "float4*"), ("saved_mean", "float*"), ("saved_invstd", "float*")]
+        out += [("running_mean", "param_t*"), ("running_var", "param_t*")] if spec.update else []
+        out += [("gamma", "const param_t*"), ("beta", "const param_t*")] if spec.affine else []
+    else:
+        out = [] if spec.stage == "partial" else [("y", "out_t*")]
+    out += [] if spec.stage == "full" else [("part", "float*")]
+    out += [("dy", "const in_t*"), ("x", "const in_t*"), ("mean", "const float*")] if spec.kind == "dydx" else [
+        ("x", "const in_t*")]
     return out
 
 
 def _kind_uri(spec) -> str:
-    return (f"{spec.kind}.{spec.op}/{spec.stage}/{dtypes.BY_NAME[spec.input].short}"
+    bn = (f".bn.p{dtypes.BY_NAME[spec.param].short}{'.affine' if spec.affine else ''}"
+          f"{'.update' if spec.update else ''}") if _bn(spec) else ""
+    return (f"{spec.kind}.{spec.op}/{spec.stage}{bn}/{dtypes.BY_NAME[spec.input].short}"
             f"->{dtypes.BY_NAME[spec.output].short}")
 
 
@@ -99,6 +129,7 @@ class RowReduceSpec(KernelSpec):
     family = "reduce_rows"
     tile_fields = ("group", "block", "unroll")
     template = "reduce/rows.cu.j2"
+    dependent_launch = True
 
     kind: str
     op: str
@@ -113,6 +144,9 @@ class RowReduceSpec(KernelSpec):
     group: int = 256  # threads per output: 32 (a warp) or the block
     block: int = 256
     unroll: int = 4
+    param: str = "float32"   # batch-norm finish (moments, split): gamma, beta, running statistics
+    affine: bool = False
+    update: bool = False
 
     def validate(self) -> None:
         _check_common(self)
@@ -126,6 +160,8 @@ class RowReduceSpec(KernelSpec):
         if self.block < 64:
             raise ValidationError(f"block: rows kernels take 64 to 1024 threads, got {self.block}", arg="block")
         one_of(self.group, (32, self.block), "group")
+        if self.stage == "split" and self.group != self.block:
+            raise ValidationError("group: a split reduction takes a block per output", arg="group")
 
     @property
     def uri(self) -> str:
@@ -136,9 +172,8 @@ class RowReduceSpec(KernelSpec):
         ints = ["n_out", "n_inner", "lv", "total", "chunk"] + (["istride"] if self.access == "gat" else [])
         ints += [f"ks{d}" for d in range(1, self.kdims)] + [f"kst{d}" for d in range(self.kdims)]
         ints += [f"rs{d}" for d in range(1, self.rdims)] + [f"rst{d}" for d in range(self.rdims)]
-        return dict(_context(self, "acc[0]"), group=self.group, access=self.access, kdims=self.kdims,
-                    rdims=self.rdims, tail=self.access == "vec" and self.rdims == 0 and self.vec > 1,
-                    kernel_params=_pointer_params(self) + [f"index_t {n}" for n in ints] + ["float inv_count"])
+        return dict(_context(self, "acc[0]", ints), group=self.group, access=self.access, kdims=self.kdims,
+                    rdims=self.rdims, tail=self.access == "vec" and self.rdims == 0 and self.vec > 1)
 
 
 @dataclass(frozen=True)
@@ -146,6 +181,7 @@ class ColReduceSpec(KernelSpec):
     family = "reduce_cols"
     tile_fields = ("bx", "block", "unroll")
     template = "reduce/cols.cu.j2"
+    dependent_launch = True
 
     kind: str
     op: str
@@ -157,6 +193,9 @@ class ColReduceSpec(KernelSpec):
     bx: int = 32      # threads along the contiguous kept dim; block / bx along the reduced dim
     block: int = 256
     unroll: int = 4
+    param: str = "float32"   # batch-norm finish (moments, split): gamma, beta, running statistics
+    affine: bool = False
+    update: bool = False
 
     def validate(self) -> None:
         _check_common(self)
@@ -175,8 +214,7 @@ class ColReduceSpec(KernelSpec):
 
     def render_context(self) -> dict:
         ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"]
-        return dict(_context(self, "acc[0][j]"), bx=self.bx,
-                    kernel_params=_pointer_params(self) + [f"index_t {n}" for n in ints] + ["float inv_count"])
+        return dict(_context(self, "acc[0][j]", ints), bx=self.bx)
 
 
 # -- planning ---------------------------------------------------------------------------------------
@@ -280,11 +318,25 @@ def _args(index: str, ints, floats=()) -> tuple:
     return tuple(int_t(v) for v in ints) + tuple(np.float32(f) for f in floats)
 
 
+class BatchNormFinish(NamedTuple):
+    """What the last block of a split of batch-norm moments writes (reduce/moments.cuh.j2):
+    saved statistics, coefficients at scratch role ``coef``, running statistics when ``update``."""
+    param: str
+    affine: bool
+    update: bool
+    count: int
+    eps: float
+    momentum: float
+    coef: str
+
+
 def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtype: str, *,
-                 first_scratch: int = 0, dy: Operand | None = None, tile=None, split: bool = True) -> Split:
-    """Launches that reduce ``axes`` of ``x`` (normalized, checked). Plain kinds end in "y";
-    moments and dydx end as partial records in scratch (see Records) for a statistics kernel.
-    ``dy`` (dydx only) shares x's shape and strides."""
+                 first_scratch: int = 0, dy: Operand | None = None, tile=None, split: bool = True,
+                 bn: BatchNormFinish | None = None) -> Split:
+    """The launch that reduces ``axes`` of ``x`` (normalized, checked). Plain kinds end in "y"
+    (a split finishes in its last block); with ``bn`` moments end as batch-norm statistics and
+    coefficients; otherwise moments and dydx end as partial records in scratch (see Records) for
+    a statistics kernel. ``dy`` (dydx only) shares x's shape and strides."""
     reduced = set(axes)
     kept = _merge([(s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a not in reduced])
     red = _merge(sorted(((s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a in reduced),
@@ -299,8 +351,9 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
     if tile is not None and isinstance(tile, ColReduceSpec) != bool(use_cols):
         raise ValidationError(f"tile: this reduction runs the {'column' if use_cols else 'row'} kernel, "
                               f"not {tile.family}", arg="tile")
-    tensors = ("dy", "x", "saved_mean") if kind == "dydx" else ("x",)
-    inv_count = 1.0 / count
+
+    def stage_of(splits):  # a batch-norm finish runs in the split stage even on one split
+        return "partial" if kind != "plain" and bn is None else "split" if splits > 1 or bn else "full"
 
     if use_cols:
         outer, inner = (kept[0] if len(kept) == 2 else (1, 0)), kept[-1]
@@ -310,19 +363,17 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
             bx, block, unroll = tile.bx, tile.block, tile.unroll
         else:
             bx = min(32, _pow2_at_least(inner[0] // vec))
+            while split and bx > 4 and outer[0] * _cdiv(inner[0] // vec, bx) < SPLIT_TILES:
+                bx //= 2
             block = max(64, bx * min(256 // bx, _pow2_at_least(rows)))
             unroll = 4
         ncb = _cdiv(inner[0] // vec, bx)
-        splits, rchunk = _splits(rows, outer[0] * ncb, (block // bx) * unroll * 2) if split else (1, rows)
-        stage = "full" if kind == "plain" and splits == 1 else "partial"
+        tiles = outer[0] * ncb
+        splits, rchunk = _splits(rows, tiles, (block // bx) * unroll * 2) if split else (1, rows)
+        ints = [outer[0], rows, inner[0], outer[1], rstride, rchunk, ncb]
         index = _index(extent + block * unroll * rstride, splits * n_out * KINDS[kind], n_out * count)
-        spec = ColReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
-                             output=out_dtype if stage == "full" else "float32", vec=vec, index=index,
-                             bx=bx, block=block, unroll=unroll)
-        target = "y" if stage == "full" else part_role
-        launch = Launch(spec, (outer[0] * ncb, splits, 1), (block, 1, 1), 0, (target, *tensors),
-                        _args(index, [outer[0], rows, inner[0], outer[1], rstride, rchunk, ncb], [inv_count]))
-        records = Records(part_role, splits, 1, n_out)
+        loop = {"bx": bx, "block": block, "unroll": unroll}
+        stride_out, stride_split = 1, n_out
     else:
         if red and red[-1][1] == 1:
             access, (length, istride), outer_dims = "vec", red[-1], red[:-1]
@@ -336,37 +387,36 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
             group, block, unroll = (32 if tile.group == 32 else tile.block), tile.block, tile.unroll
         else:
             block, unroll = 256, 4
-            group = 32 if total <= 512 else block
+            group = 32 if total <= 512 and bn is None else block
+        tiles = _cdiv(n_out, block // group)
         if group == 32 or not split:
             splits, chunk = 1, max(total, 1)
         else:
             splits, chunk = _splits(total, n_out, block * unroll * 2)
-        stage = "full" if kind == "plain" and splits == 1 else "partial"
         index = _index(extent + 2 * block * unroll * max(vec, abs(istride)), n_out * splits * KINDS[kind],
                        n_out * count)  # counts too: a broadcast (stride 0) input reaches little memory
-        spec = RowReduceSpec(kind=kind, op=op, stage=stage, input=x.dtype,
-                             output=out_dtype if stage == "full" else "float32", access=access,
-                             kdims=len(kept), rdims=len(outer_dims), vec=vec, index=index, group=group,
-                             block=block, unroll=unroll)
         ints = [n_out, length, lv, total, chunk] + ([istride] if access == "gat" else [])
         ints += [s for s, _ in kept[1:]] + [st for _, st in kept]
         ints += [s for s, _ in outer_dims[1:]] + [st for _, st in outer_dims]
-        target = "y" if stage == "full" else part_role
-        launch = Launch(spec, (_cdiv(n_out, block // group), splits, 1), (block, 1, 1), 0, (target, *tensors),
-                        _args(index, ints, [inv_count]))
-        records = Records(part_role, splits, splits, 1)
-
-    launches, scratch = [launch], []
-    if spec.stage == "partial":
-        scratch.append(4 * KINDS[kind] * n_out * records.splits)
-    if kind != "plain":
-        return Split(launches, scratch, records)
-    if spec.stage == "partial":  # combine the partials: a float32 (n_out, splits) or (splits, n_out) view
-        partials = Operand("float32", (n_out, records.splits), (records.stride_out, records.stride_split), 16)
-        f = split_reduce("plain", op, partials, (1,), out_dtype, split=False).launches[0]
-        f_spec = dataclasses.replace(f.spec, stage="final", input="float32")
-        launches.append(f._replace(spec=f_spec, pointers=("y", part_role), args=f.args[:-1] + (np.float32(inv_count),)))
-    return Split(launches, scratch, None)
+        loop = {"access": access, "kdims": len(kept), "rdims": len(outer_dims), "group": group, "block": block,
+                "unroll": unroll}
+        stride_out, stride_split = splits, 1
+    stage = stage_of(splits)
+    if stage == "split" and splits > 1 and tiles > GRID_COUNTERS:
+        raise UnsupportedError(f"x: a split reduction over {tiles} output tiles exceeds the {GRID_COUNTERS} "
+                               "counters of one launch", arg="x")
+    finish = {"param": bn.param, "affine": bn.affine, "update": bn.update} if bn else {}
+    cls = ColReduceSpec if use_cols else RowReduceSpec
+    spec = cls(kind=kind, op=op, stage=stage, input=x.dtype, output=out_dtype if kind == "plain" else "float32",
+               vec=vec, index=index, **loop, **finish)
+    roles = {"part": part_role, "mean": "saved_mean", **({"coef": bn.coef} if bn else {})}
+    scalars = [1.0 / count] + ([bn.count, bn.eps, bn.momentum] if bn else [])
+    grid = (tiles, splits, 1)
+    launch = Launch(spec, grid, (block, 1, 1), 0, tuple(roles.get(n, n) for n, _ in _pointers(spec)),
+                    _args(index, ints, scalars))
+    scratch = [] if stage == "full" else [4 * spec.render_context()["nrec"] * n_out * splits]
+    records = Records(part_role, splits, stride_out, stride_split) if stage == "partial" else None
+    return Split([launch], scratch, records)
 
 
 def plan_reduce(op: str, x: Operand, axes=None, *, out_dtype: str | None = None, tile=None) -> Plan:
@@ -402,7 +452,8 @@ def candidates(spec) -> list:
     from .batchnorm import AffineSpec
     from .batchnorm import candidates as affine_candidates
     if isinstance(spec, RowReduceSpec):
-        return [dataclasses.replace(spec, group=g if g == 32 else b, block=b, unroll=u) for g, b, u in ROW_TILES]
+        return [dataclasses.replace(spec, group=g if g == 32 else b, block=b, unroll=u) for g, b, u in ROW_TILES
+                if g != 32 or spec.stage != "split"]  # a split takes a block per output
     if isinstance(spec, ColReduceSpec):
         return [dataclasses.replace(spec, bx=min(x, spec.bx), block=b, unroll=u) for x, b, u in COL_TILES]
     if isinstance(spec, AffineSpec):  # the affine pass's own table (kernels/batchnorm.py)

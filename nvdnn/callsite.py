@@ -1,0 +1,489 @@
+"""The call-site fast path of the functional API.
+
+The first call of a public function with a new signature (the shape, strides, data type,
+16-byte alignment and device of each array; every other argument with its type and value; the
+current device) runs the full path -- argument checks, planning, compiling or fetching, binding
+-- while a recording notes what it did on the device: each kernel launch with its arguments,
+where each pointer argument came from (an input array and an offset into it, an output the call
+returned, a scratch buffer it allocated) and what it returned. A repeat with the same signature
+replays the recording: one dictionary lookup, the input pointers, the output and scratch
+allocations, and the launches; no checks, no planning, no hashing of specs.
+
+A call whose device work the recording cannot account for (NumPy arrays copied in or out, a
+pointer that belongs to no array the call knows, an empty result) is not kept: it takes the
+full path every time, which is always correct. Outputs of a call with torch inputs are torch
+tensors allocated by torch, and its kernels run on torch's current stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+PLAN_LIMIT = 1024  # replays kept; the oldest goes first
+_REPLAYS: dict = {}
+_LOCAL = threading.local()  # .recording: the Recording of the call under way, if any
+_ACTIVE = 0                 # recordings under way in all threads (most calls need not look further)
+STATS = {"hits": 0, "recorded": 0, "not_kept": 0}
+
+
+class Recording:
+    """What the full path of one call did on the device."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = inputs            # id(array object) -> input index
+        self.launches: list = []        # (function, grid, block, args, shared_mem)
+        self.scratch: list = []         # (address, bytes) of the scratch buffers it allocated
+        self.keep: list = []            # (address, bytes) of device constants that outlive the call
+        self.views: dict = {}           # id(device view of a foreign input) -> input index
+        self.alive: list = []           # objects whose ids are in the maps above
+        self.refused: str | None = None
+
+
+def recording() -> Recording | None:
+    return getattr(_LOCAL, "recording", None)
+
+
+def refuse(reason: str) -> None:
+    """The call under way does device work a replay would not repeat: do not keep it."""
+    rec = recording()
+    if rec is not None and rec.refused is None:
+        rec.refused = reason
+
+
+def note_view(view, source) -> None:
+    """``view`` is the device array the call made of foreign input ``source`` (a torch tensor)."""
+    rec = recording()
+    if rec is not None and id(source) in rec.inputs:
+        rec.views[id(view)] = rec.inputs[id(source)]
+        rec.alive.append(view)
+
+
+def note_scratch(buffer) -> None:
+    rec = recording()
+    if rec is not None:
+        rec.scratch.append((buffer.data.ptr, buffer.nbytes))
+        rec.alive.append(buffer)
+
+
+def note_constant(array) -> None:
+    """A device array that lives as long as the process (a default scale factor)."""
+    rec = recording()
+    if rec is not None:
+        rec.keep.append((array.data.ptr, array.nbytes))
+
+
+def launch(function, grid, block, args, shared_mem: int = 0, stream=None, deferred: bool = False) -> None:
+    """Every kernel launch of the functional layer: recorded when a call is being recorded.
+    ``deferred``: some arguments resolve at launch (a TMA tensor map over a pointer argument)."""
+    rec = recording()
+    if rec is not None:
+        rec.launches.append((function, grid, block, tuple(args), shared_mem))
+    if deferred:
+        args = resolve(args)
+    function(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def resolve(args) -> tuple:
+    """Arguments with those known only at launch resolved: one with ``resolve(address)`` (a TMA
+    tensor map) becomes its value over the address of argument ``arg.pointer``."""
+    out = []
+    for a in args:
+        if hasattr(a, "resolve"):
+            p = args[a.pointer]
+            a = a.resolve(int(p) if isinstance(p, (int, np.integer)) else p.data.ptr)
+        out.append(a)
+    return tuple(out)
+
+
+# -- signatures -------------------------------------------------------------------------------------
+
+_PLAIN = frozenset((str, int, float, bool, type(None), bytes, np.float16, np.float32, np.float64, np.int32,
+                    np.int64, np.bool_))
+_READERS: dict = {}  # array type -> its reader, or False: not an array this path knows
+
+
+def _cupy_meta(x):
+    """(shape, strides in bytes, dtype, address, device) of a CuPy array."""
+    data = x.data
+    return x.shape, x.strides, x.dtype, data.ptr, data.device_id
+
+
+def _torch_meta(x):
+    """The same of a torch tensor, its strides in elements (as torch gives them: cheapest)."""
+    return x.shape, x.stride(), x.dtype, x.data_ptr(), x.get_device()
+
+
+def _byte_meta(x):
+    """An array's meta with strides in bytes, whatever its kind."""
+    read = reader(type(x))
+    meta = read(x)
+    if read is _torch_meta:
+        size = x.element_size()
+        meta = (tuple(meta[0]), tuple(s * size for s in meta[1]), *meta[2:])
+    return meta
+
+
+def reader(kind):
+    """How to read an array of type ``kind``: CuPy arrays and torch tensors; anything else
+    (NumPy arrays among them) takes the full path on every call."""
+    found = _READERS.get(kind)
+    if found is None:
+        module = kind.__module__.split(".")[0]
+        found = _cupy_meta if module == "cupy" and kind.__name__ == "ndarray" else (
+            _torch_meta if module == "torch" and kind.__name__ in ("Tensor", "Parameter") else False)
+        _READERS[kind] = found
+    return found
+
+
+class _Unreadable(Exception):
+    """A value the signature cannot capture: the call takes the full path and is not kept."""
+
+
+def _signature(value, arrays: list, addresses: list):
+    """What decides a call's device work, hashable: arrays by type, shape, strides, data type,
+    16-byte alignment and device (each appended to ``arrays``, its address to ``addresses``);
+    streams by handle; every other value with its type (True and 1 differ)."""
+    kind = type(value)
+    if kind is _NDARRAY:  # the common case first
+        data = value.data
+        address = data.ptr
+        arrays.append(value)
+        addresses.append(address)
+        return value.shape, value.strides, value.dtype, address & 15, data.device_id
+    if kind in _PLAIN:
+        if value != value:  # NaN: equal to nothing, so no replay would ever match
+            raise _Unreadable
+        return kind, value
+    if kind is tuple or kind is list:
+        return kind, tuple([_signature(v, arrays, addresses) for v in value])
+    read = _READERS.get(kind)
+    if read is None:
+        read = reader(kind)
+    if read:
+        shape, strides, dtype, address, device = read(value)
+        arrays.append(value)
+        addresses.append(address)
+        return kind, shape, strides, dtype, address & 15, device
+    if kind.__module__.startswith("cupy.cuda") and hasattr(value, "ptr"):  # a CuPy stream
+        return kind, value.ptr
+    raise _Unreadable
+
+
+def _span(meta) -> tuple[int, int]:
+    """Bytes an array reaches below and above its address (negative strides reach below)."""
+    shape, strides, dtype, _, _ = meta
+    if 0 in shape:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return low, high + dtype.itemsize
+
+
+def _overlaps(addresses: list, spans: tuple) -> tuple:
+    """For each pair of arrays: None where their bytes are apart, else the distance of their
+    addresses. Part of what a replay must match: an in-place call plans and checks differently."""
+    out = []
+    for i in range(len(addresses)):
+        lo_i, hi_i = addresses[i] + spans[i][0], addresses[i] + spans[i][1]
+        for j in range(i + 1, len(addresses)):
+            lo_j, hi_j = addresses[j] + spans[j][0], addresses[j] + spans[j][1]
+            out.append(addresses[j] - addresses[i] if lo_i < hi_j and lo_j < hi_i else None)
+    return tuple(out)
+
+
+# -- replays ----------------------------------------------------------------------------------------
+
+class _Output(NamedTuple):
+    torch: bool
+    shape: tuple
+    strides: tuple       # in bytes (CuPy), in elements (torch): as each allocates
+    dtype: object
+    nbytes: int
+
+
+class Replay(NamedTuple):
+    launches: tuple      # a _Launch per kernel
+    outputs: tuple       # _Output per array the call allocated and returned
+    scratch: tuple       # bytes per scratch buffer
+    result: object       # ("in", i) / ("out", j) / None, or a tuple of those
+    torch_stream: bool   # torch inputs and no stream given: launch on torch's current stream
+
+
+class _NotKept(Exception):
+    pass
+
+
+def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay | None:
+    """The replay of a recorded call, or None where some device work is unaccounted for."""
+    if rec.refused or not rec.launches:
+        return None
+    ranges, outputs = [], []  # (kind, index, address, first byte, end)
+
+    def add(kind, index, meta):
+        low, high = _span(meta)
+        ranges.append((kind, index, meta[3], meta[3] + low, meta[3] + max(high, 1)))
+
+    for i, x in enumerate(arrays):
+        add("in", i, _byte_meta(x))
+
+    def describe(value):
+        if value is None:
+            return None
+        if type(value) is tuple:
+            return tuple(describe(v) for v in value)
+        for i, x in enumerate(arrays):
+            if value is x:
+                return ("in", i)
+        read = reader(type(value))
+        if not read:
+            raise _NotKept
+        meta = _byte_meta(value)
+        low, high = _span(meta)
+        if low:
+            raise _NotKept
+        torch = read is _torch_meta
+        outputs.append(_Output(torch, meta[0], tuple(value.stride()) if torch else meta[1], meta[2], high))
+        add("out", len(outputs) - 1, meta)
+        return ("out", len(outputs) - 1)
+
+    try:
+        shape = describe(result)
+        ranges.extend(("ws", k, address, address, address + max(size, 1))
+                      for k, (address, size) in enumerate(rec.scratch))
+        launches = tuple(_launch(function, grid, block, tuple(_source(a, rec, ranges) for a in args), shared_mem,
+                                 arrays, outputs)
+                         for function, grid, block, args, shared_mem in rec.launches)
+    except _NotKept:
+        return None
+    return Replay(launches, tuple(outputs), tuple(size for _, size in rec.scratch), shape, torch_stream)
+
+
+def _source(a, rec: Recording, ranges: list):
+    """Where one launch argument comes from at a replay: ("in" | "out" | "ws", index, byte
+    offset from that array's address), or ("c", value), a constant. Raises _NotKept for a
+    device array no array of the call accounts for."""
+    kind = type(a)
+    if reader(kind) is _cupy_meta:
+        index = rec.inputs.get(id(a), rec.views.get(id(a)))
+        if index is not None:
+            return ("in", index, 0)
+        return _pointer_source(a.data.ptr, rec, ranges) or _not_kept()
+    if kind is np.uint64 or kind is int:  # a scratch address, or an integer argument
+        return _pointer_source(int(a), rec, ranges) or ("c", a)
+    return ("c", a)
+
+
+def _pointer_source(address: int, rec: Recording, ranges: list):
+    found = [(kind, i, address - base) for kind, i, base, lo, end in ranges if lo <= address < end]
+    if len(found) > 1:  # inside two arrays: which one a replay should follow is not known
+        raise _NotKept
+    if found:
+        return found[0]
+    if any(lo <= address < lo + max(size, 1) for lo, size in rec.keep):
+        return ("c", np.uint64(address))
+    return None
+
+
+def _not_kept():
+    raise _NotKept
+
+
+_KINDS = {"in": 0, "out": 1, "ws": 2}
+
+
+class _Launch(NamedTuple):
+    """One kernel of a replay: its arguments with the constants in place (wrapped once, so CuPy
+    converts nothing per call) and, per pointer slot, where a call takes it from."""
+    function: object
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    template: list
+    fills: tuple     # (slot, 0 input | 1 output | 2 scratch, index, byte offset, pass the array itself)
+    deferred: bool   # some arguments resolve at launch (a TMA tensor map)
+    plain: bool      # a CuPy function with no deferred argument: addresses go as CuPy pointer objects
+
+
+def _launch(function, grid, block, sources, shared_mem, arrays, outputs) -> _Launch:
+    from .runtime import DependentFunction
+    deferred = any(s[0] == "c" and hasattr(s[1], "resolve") for s in sources)
+    plain = not deferred and not isinstance(function, DependentFunction)
+    template, fills = [], []
+    for slot, source in enumerate(sources):
+        if source[0] == "c":
+            value = source[1]
+            if plain and isinstance(value, (np.generic, np.ndarray)):
+                value = _CUPY.cuda.function.CNumpyArray(np.asarray(value).reshape(1))
+            template.append(value)
+            continue
+        kind, index, offset = _KINDS[source[0]], source[1], source[2]
+        cupy_array = (reader(type(arrays[index])) is _cupy_meta if kind == 0 else
+                      not outputs[index].torch if kind == 1 else True)
+        whole = plain and offset == 0 and cupy_array  # CuPy reads its own arrays' addresses fastest
+        template.append(None)
+        fills.append((slot, kind, index, offset, whole))
+    return _Launch(function, grid, block, shared_mem, template, tuple(fills), deferred, plain)
+
+
+def _run(replay: Replay, arrays: list, addresses: list, stream):
+    """Launch a replay on this call's arrays: allocate its outputs and scratch, fill the pointers."""
+    if replay.torch_stream and stream is None:
+        stream = _torch_stream(arrays)
+    made = [_allocate(o) for o in replay.outputs]
+    scratch = [_CUPY.empty(size, _CUPY.uint8) for size in replay.scratch] if replay.scratch else ()
+    objects = (arrays, made, scratch)
+    places = (addresses, None, None)
+    for launch in replay.launches:
+        args = launch.template.copy()
+        for slot, kind, index, offset, whole in launch.fills:
+            if whole:
+                args[slot] = objects[kind][index]
+            else:
+                if places[kind] is None:
+                    places = _addresses(places, objects, kind)
+                address = places[kind][index] + offset
+                args[slot] = _CUPY.cuda.function.CIntptr(address) if launch.plain else address
+        launch.function(launch.grid, launch.block, resolve(args) if launch.deferred else args,
+                        shared_mem=launch.shared_mem, stream=stream)
+    result = replay.result
+    if result is not None and result[0] == "out":
+        return made[result[1]]
+    return _result(result, arrays, made)
+
+
+def _addresses(places, objects, kind):
+    found = [reader(type(x))(x)[3] for x in objects[kind]]
+    return tuple(found if k == kind else p for k, p in enumerate(places))
+
+
+def _result(shape, arrays, made):
+    if shape is None:
+        return None
+    if type(shape[0]) is str:
+        return arrays[shape[1]] if shape[0] == "in" else made[shape[1]]
+    return tuple(_result(s, arrays, made) for s in shape)
+
+
+def _allocate(output: _Output):
+    if output.torch:
+        import torch
+        device = _CUPY.cuda.runtime.getDevice()
+        where = _TORCH_DEVICES.get(device) or _TORCH_DEVICES.setdefault(device, torch.device("cuda", device))
+        return torch.empty_strided(output.shape, output.strides, dtype=output.dtype, device=where)
+    memory = _CUPY.cuda.alloc(max(output.nbytes, 1))
+    return _CUPY.ndarray(output.shape, output.dtype, memory, strides=output.strides)
+
+
+_TORCH_DEVICES: dict = {}
+
+
+_STREAMS: dict = {}
+
+
+def _torch_stream(arrays):
+    """torch's current stream on the torch inputs' device, as a CuPy stream (one per handle);
+    None where no torch input is on a GPU (the full path then says what is wrong)."""
+    import torch
+    device = next((x.get_device() for x in arrays if reader(type(x)) is _torch_meta and x.get_device() >= 0), None)
+    if device is None:
+        return None
+    handle = torch._C._cuda_getCurrentRawStream(device)
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = _CUPY.cuda.ExternalStream(handle, device)
+    return stream
+
+
+_CUPY = None  # the cupy module, imported at the first call (nvdnn imports without it)
+
+
+_NDARRAY = None  # cupy.ndarray, likewise
+
+
+def _load_cupy():
+    global _CUPY, _NDARRAY
+    import cupy
+    _CUPY, _NDARRAY = cupy, cupy.ndarray
+    return cupy
+
+
+# -- the decorator ----------------------------------------------------------------------------------
+
+def fast(function):
+    """Give public ``function`` the recorded fast path (see the module's docstring)."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if _ACTIVE and getattr(_LOCAL, "recording", None) is not None:  # inside another call's recording
+            return function(*args, **kwargs)
+        arrays, addresses = [], []
+        try:
+            key = [call, (_CUPY or _load_cupy()).cuda.runtime.getDevice()]
+            for value in args:
+                key.append(_signature(value, arrays, addresses))
+            for name, value in kwargs.items():
+                key.append(name)
+                key.append(_signature(value, arrays, addresses))
+            key = tuple(key)
+            entry = _REPLAYS.get(key)
+        except Exception:  # unhashable values; cupy not imported yet; no device: the full path says so
+            key, entry = None, None
+        if entry is not None:
+            spans, replays = entry
+            if len(addresses) == 2:  # the common case, inline: None where the two are apart
+                a, b = addresses
+                overlap = (None if a + spans[0][1] <= b + spans[1][0] or b + spans[1][1] <= a + spans[0][0]
+                           else b - a),
+            else:
+                overlap = _overlaps(addresses, spans) if addresses else ()
+            replay = replays.get(overlap)
+            if replay is not None:
+                STATS["hits"] += 1
+                return _run(replay, arrays, addresses, kwargs.get("stream"))
+        return _record(function, args, kwargs, key, arrays, addresses)
+    call.full_path = function
+    return call
+
+
+def _record(function, args, kwargs, key, arrays, addresses):
+    """The full path, recorded; its replay kept under ``key`` where it accounts for everything."""
+    torch_stream = kwargs.get("stream") is None and any(reader(type(x)) is _torch_meta for x in arrays)
+    rec = Recording({id(x): i for i, x in enumerate(arrays)})
+    _count_active(+1)
+    _LOCAL.recording = rec
+    try:
+        with (_torch_stream(arrays) if torch_stream else None) or contextlib.nullcontext():
+            result = function(*args, **kwargs)
+    finally:
+        _LOCAL.recording = None
+        _count_active(-1)
+    replay = _build(rec, arrays, result, torch_stream) if key is not None else None
+    if replay is None:
+        STATS["not_kept"] += 1
+        return result
+    spans = tuple(_span(_byte_meta(x)) for x in arrays)
+    entry = _REPLAYS.get(key)
+    if entry is None or entry[0] != spans:
+        if len(_REPLAYS) >= PLAN_LIMIT:
+            _REPLAYS.pop(next(iter(_REPLAYS)))
+        entry = _REPLAYS[key] = (spans, {})
+    entry[1][_overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
+    STATS["recorded"] += 1
+    return result
+
+
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _count_active(step: int) -> None:
+    global _ACTIVE
+    with _ACTIVE_LOCK:
+        _ACTIVE += step
+
+
+def clear() -> None:
+    """Forget every replay (the next call of each signature takes the full path)."""
+    _REPLAYS.clear()

@@ -1,0 +1,189 @@
+"""The call-site fast path without a GPU: a toy entry point on fake device arrays counts what a
+repeat call does (its full path -- checks and planning -- runs once per signature) and checks
+where each replayed pointer comes from."""
+from __future__ import annotations
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+from nvdnn import callsite
+
+
+class _Memory:
+    def __init__(self, ptr, device_id=0):
+        self.ptr, self.device_id = ptr, device_id
+
+
+_NEXT = itertools.count(1)
+
+
+def _fresh_address(nbytes: int) -> int:
+    return 0x7000_0000_0000 + next(_NEXT) * (1 << 24)  # 16 MB apart, 256-byte aligned
+
+
+class FakeArray:
+    """Just what the fast path reads of a CuPy array."""
+    __module__ = "cupy"
+
+    def __init__(self, shape, dtype=np.float32, memptr=None, strides=None):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.strides = strides or tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
+                                        for i in range(len(self.shape)))
+        self.data = memptr or _Memory(_fresh_address(self.nbytes))
+
+    @property
+    def nbytes(self):
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+FakeArray.__name__ = FakeArray.__qualname__ = "ndarray"
+
+
+class _FakeCupy:
+    uint8 = np.uint8
+    ndarray = FakeArray
+
+    def __init__(self):
+        self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                          alloc=lambda n: _Memory(_fresh_address(n)),
+                                          function=types.SimpleNamespace(CNumpyArray=lambda a: a[0],
+                                                                         CIntptr=lambda v: np.uint64(v)))
+
+    def empty(self, shape, dtype):
+        return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
+
+
+class Kernel:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.calls.append(tuple(a.data.ptr if isinstance(a, FakeArray) else a for a in args))
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """A fast entry point y = f(x [, bias]) with a scratch buffer; counts its full path."""
+    monkeypatch.setattr(callsite, "_CUPY", _FakeCupy())
+    monkeypatch.setattr(callsite, "_REPLAYS", {})
+    monkeypatch.setitem(callsite._READERS, FakeArray, callsite._cupy_meta)
+    kernel, counts = Kernel(), {"full path": 0}
+
+    @callsite.fast
+    def entry(x, bias=None, *, scale=1.0, out=None, stream=None):
+        counts["full path"] += 1  # where argument checks and planning run
+        y = out if out is not None else FakeArray(x.shape, x.dtype)
+        scratch = FakeArray((256,), np.uint8)
+        callsite.note_scratch(scratch)
+        pointers = (y, x) + ((bias,) if bias is not None else ())
+        callsite.launch(kernel, (4,), (128,), (*pointers, np.uint64(scratch.data.ptr + 64), np.float32(scale)),
+                        stream=stream)
+        return y
+
+    return entry, kernel, counts
+
+
+def test_a_repeat_replays_without_the_full_path(toy):
+    entry, kernel, counts = toy
+    entry(FakeArray((8, 16)))
+    x = FakeArray((8, 16))
+    y = entry(x, scale=1.0)
+    assert counts["full path"] == 2  # the keyword made another signature
+    y2 = entry(x, scale=1.0)
+    assert counts["full path"] == 2 and callsite.STATS["hits"] >= 1
+    out, inp, scratch, scale = kernel.calls[-1]
+    assert inp == x.data.ptr and out == y2.data.ptr and out != y.data.ptr
+    assert scratch % (1 << 24) == 64 and scale == np.float32(1.0)
+    assert y2.shape == (8, 16) and y2.dtype == np.float32 and y2.strides == x.strides
+
+
+def test_what_differs_takes_the_full_path(toy):
+    entry, kernel, counts = toy
+    x = FakeArray((8, 16))
+    for args, kwargs in [((x,), {}), ((x,), {"scale": 2.0}), ((x,), {"scale": 2}), ((x,), {"scale": True}),
+                         ((FakeArray((8, 17)),), {}), ((FakeArray((8, 16), np.float16),), {}),
+                         ((x, FakeArray((16,))), {})]:
+        before = counts["full path"]
+        entry(*args, **kwargs)
+        assert counts["full path"] == before + 1, (args, kwargs)
+        entry(*args, **kwargs)
+        assert counts["full path"] == before + 1, (args, kwargs)
+
+
+def test_alignment_is_part_of_the_signature(toy):
+    entry, kernel, counts = toy
+    x = FakeArray((8, 16))
+    entry(x)
+    entry(FakeArray((8, 16), memptr=_Memory(x.data.ptr + 4)))
+    assert counts["full path"] == 2
+
+
+def test_out_and_in_place_calls_are_their_own_replays(toy):
+    entry, kernel, counts = toy
+    x, y = FakeArray((8, 16)), FakeArray((8, 16))
+    assert entry(x, out=y) is y
+    x2, y2 = FakeArray((8, 16)), FakeArray((8, 16))
+    assert entry(x2, out=y2) is y2
+    assert counts["full path"] == 1
+    assert kernel.calls[-1][:2] == (y2.data.ptr, x2.data.ptr)
+    z = FakeArray((8, 16))
+    assert entry(z, out=z) is z  # another overlap pattern: recorded on its own
+    assert counts["full path"] == 2
+    w = FakeArray((8, 16))
+    entry(w, out=w)
+    assert counts["full path"] == 2 and kernel.calls[-1][:2] == (w.data.ptr, w.data.ptr)
+    entry(x2, out=y2)
+    assert counts["full path"] == 2 and kernel.calls[-1][:2] == (y2.data.ptr, x2.data.ptr)
+
+
+def test_calls_the_recording_cannot_account_for_are_not_kept(monkeypatch, toy):
+    entry, kernel, counts = toy
+    stray = FakeArray((4,))
+
+    @callsite.fast
+    def unknown_pointer(x):
+        counts["full path"] += 1
+        callsite.launch(kernel, (1,), (1,), (x, stray))
+        return x
+
+    @callsite.fast
+    def refused(x):
+        counts["full path"] += 1
+        callsite.refuse("a copy the replay would not make")
+        callsite.launch(kernel, (1,), (1,), (x,))
+        return x
+
+    for function in (unknown_pointer, refused):
+        before = counts["full path"]
+        function(FakeArray((3,)))
+        function(FakeArray((3,)))
+        assert counts["full path"] == before + 2, function.__name__
+
+
+def test_values_the_path_cannot_read_are_never_replayed(toy):
+    entry, kernel, counts = toy
+    x = FakeArray((8, 16))
+    entry(x, scale=np.float32(float("nan")))  # NaN equals nothing, so no replay matches
+    class Scale:  # a value of a type the path does not know
+        def __float__(self):
+            return 2.0
+
+    entry(x, scale=Scale())
+    entry(x, scale=Scale())
+    assert counts["full path"] == 3
+
+
+def test_a_public_call_inside_another_is_part_of_its_recording(toy):
+    entry, kernel, counts = toy
+
+    @callsite.fast
+    def outer(x):
+        return entry(x, scale=3.0)
+
+    outer(FakeArray((2, 2)))
+    before = counts["full path"]
+    y = outer(FakeArray((2, 2)))
+    assert counts["full path"] == before and kernel.calls[-1][0] == y.data.ptr
