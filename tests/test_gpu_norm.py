@@ -311,8 +311,10 @@ def test_more_than_2_pow_31_elements():
 
 # 16-bit rows persist up to 8 blocks of 32768 elements, odd lengths too (100003: shifted vectors);
 # 262151 is past that reach. 256 rows: 16 rows per cluster, both stages and both pushed-statistics
-# slots cycle many times.
-LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144)]
+# slots cycle many times. Clusters between the powers of two: 151936 16-bit (5 blocks), 40000 and
+# 100003 float32 (3 and 7).
+LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144),
+        (70, 151936)]
 
 
 def sm90():

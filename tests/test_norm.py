@@ -367,7 +367,9 @@ def test_odd_rows_take_one_vectorized_kernel(dtype):
             (launch,) = plan.launches
             assert (launch.spec.vec, launch.spec.shift, launch.spec.split) == (vec, L % vec != 0, "none"), \
                 (L, launch.spec.uri)
-    for rows, L in ((4096, 50257), (8, 128256), (16, 32000), (2, 50257)):
+    # float32 rows of 151936 pass 8 blocks of 16384 elements: two passes
+    for rows, L in ((4096, 50257), (8, 128256), (16, 32000), (2, 50257), (64, 100003)) + (
+            ((4, 151936),) if dtype != "float32" else ()):
         x, g = op(dtype, rows, L), op(dtype, L)
         for plan in (norm.plan_softmax(x, -1, arch="sm_90"), norm.plan_softmax(x, -1, log=True, arch="sm_90"),
                      norm.plan_rms_norm(x, 1, gamma=g, arch="sm_90")):
@@ -489,7 +491,7 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rows,L", [(1, 1), (7, 1), (3, 7), (1000, 7), (5, 1000), (2, 65537), (9, 4096), (65, 128),
                                     (3, 262144), (2, 40000), (300, 65536), (9, 4099), (5, 50257), (3, 127),
-                                    (40, 3)])
+                                    (40, 3), (70, 151936)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_element_is_covered_once(rows, L, dtype):
     x, g, st = op(dtype, rows, L), op(dtype, L), op("float32", rows)
@@ -566,6 +568,7 @@ def test_preset_covers_every_op_dtype_and_strategy():
     assert any(s.mask for s in rows if isinstance(s, norm.SoftmaxSpec))
     assert any(s.causal for s in rows if isinstance(s, norm.SoftmaxSpec))
     assert any(s.labels and s.shift for s in rows if isinstance(s, norm.SoftmaxSpec))
+    assert {s.cluster for s in rows if s.split == "persist"} >= {2, 4, 5, 8}
     assert any(s.rpb > 1 for s in rows) and any(s.tpr == 1024 for s in rows)
 
 

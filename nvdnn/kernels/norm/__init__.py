@@ -31,15 +31,15 @@ from .. import Plan
 from .layout import Tile
 from .plans import (plan_cross_entropy, plan_layer_norm, plan_layer_norm_backward, plan_rms_norm,
                     plan_rms_norm_backward, plan_softmax, plan_softmax_backward)
-from .rowspec import (BACKWARD_EPT, CLUSTERS, DTYPES, FORWARD_EPT, LABEL_DTYPES, NVS, PERSIST_CLUSTERS, PERSIST_SHARED,
-                      PERSIST_STAGES, PERSISTENT_BLOCKS, TPRS, VECS, WIDE_ROW, RowSpec)
+from .rowspec import (BACKWARD_EPT, CLUSTERS, DTYPES, FORWARD_EPT, LABEL_DTYPES, NVS, PERSIST_CLUSTERS,
+                      PERSIST_SHARED, PERSIST_STAGES, PERSISTENT_BLOCKS, TPRS, VECS, WIDE_ROW, RowSpec)
 from .specs import (WGRAD_COLUMNS, WGRAD_SLICES, NormBackwardSpec, NormSpec, SoftmaxBackwardSpec, SoftmaxColumnsSpec,
                     SoftmaxSpec, WgradSpec)
 from .tune import PRESET_ROWS, candidates, preset, unsupported_reason
 
-__all__ = ["BACKWARD_EPT", "CLUSTERS", "DTYPES", "FORWARD_EPT", "LABEL_DTYPES", "NVS", "PERSIST_CLUSTERS", "PERSIST_SHARED",
-           "PERSIST_STAGES", "PERSISTENT_BLOCKS", "PRESET_ROWS", "TPRS", "VECS", "WGRAD_COLUMNS", "WGRAD_SLICES",
-           "WIDE_ROW", "NormBackwardSpec", "NormSpec", "Plan", "RowSpec", "SoftmaxBackwardSpec", "SoftmaxColumnsSpec",
-           "SoftmaxSpec", "Tile", "WgradSpec", "candidates", "plan_cross_entropy", "plan_layer_norm", "plan_layer_norm_backward",
-           "plan_rms_norm", "plan_rms_norm_backward", "plan_softmax", "plan_softmax_backward", "preset",
-           "unsupported_reason"]
+__all__ = ["BACKWARD_EPT", "CLUSTERS", "DTYPES", "FORWARD_EPT", "LABEL_DTYPES", "NVS", "PERSIST_CLUSTERS",
+           "PERSIST_SHARED", "PERSIST_STAGES", "PERSISTENT_BLOCKS", "PRESET_ROWS", "TPRS", "VECS", "WGRAD_COLUMNS",
+           "WGRAD_SLICES", "WIDE_ROW", "NormBackwardSpec", "NormSpec", "Plan", "RowSpec", "SoftmaxBackwardSpec",
+           "SoftmaxColumnsSpec", "SoftmaxSpec", "Tile", "WgradSpec", "candidates", "plan_cross_entropy",
+           "plan_layer_norm", "plan_layer_norm_backward", "plan_rms_norm", "plan_rms_norm_backward", "plan_softmax",
+           "plan_softmax_backward", "preset", "unsupported_reason"]

@@ -189,7 +189,7 @@ def _heuristic(nvecs: int, vec: int, *, backward: bool, cluster_ok: bool, staged
                     stages = _persist_stages(1024 * nv * vec, staged) if cl <= 8 else 0
                     if stages:
                         return Tile(1024, nv, 1, "persist", cl, 1, stages)
-                    if cluster_ok:
+                    if cluster_ok and cl & (cl - 1) == 0:  # the plain cluster: the sizes it ran at
                         return Tile(1024, nv, 1, "cluster", cl, 1)
     return Tile(512, target, 1, "apply", 1, _min_blocks(512, threads))
 
@@ -271,7 +271,8 @@ def _row_launches(make, tile: Tile, layout: _Rows, vectors: Vectors, values: dic
     """The launches and scratch of a forward-shaped row op: one kernel, or stats + apply.
     ``make(**geometry)`` builds the spec; ``k``: floats of the op's statistic."""
     nvecs = vectors.count(layout.L)
-    geometry = dict(vec=vectors.vec, shift=vectors.shift, nv=tile.nv, tpr=tile.tpr, rpb=tile.rpb, min_blocks=tile.min_blocks,
+    geometry = dict(vec=vectors.vec, shift=vectors.shift, nv=tile.nv, tpr=tile.tpr, rpb=tile.rpb,
+                    min_blocks=tile.min_blocks,
                     lead=len(layout.lead))
     if tile.split in ("none", "cluster", "persist"):
         spec = make(**geometry, split=tile.split, cluster=tile.cluster, stages=tile.stages)

@@ -17,7 +17,10 @@ RPBS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 NVS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 SPLITS = ("none", "cluster", "persist", "stats", "apply")
-CLUSTERS = (1, 2, 4, 8, 16)      # 8: the largest portable cluster; 16 needs an opt-in (runtime)
+# 8: the largest portable cluster; 16 needs an opt-in (runtime). Sizes between the powers of two
+# serve persistent clusters only: a row that needs 5 blocks' worth (151936 bf16) on a cluster of 8
+# would leave blocks idle, which the plain cluster faulted with (see layout._heuristic).
+CLUSTERS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
 MAX_LEAD = 3
 FORWARD_EPT = 32                 # row elements a thread may hold in a forward kernel
@@ -37,8 +40,9 @@ PERSISTENT_BLOCKS = 264          # backward norm grid: two blocks per H200 multi
 # 15: RMS norm 73 us (3.66 TB/s), layer norm 81 (3.32), softmax 91 (2.95), log-softmax 94
 # (2.87), against 103 / 151 / 125 for one row per cluster and 109 / 131 / 128 in two passes.
 # The plan takes the H200's counts (it has no device); the launch trims the grid to what the
-# device holds (runtime.resident_grid), for a chip with other disabled multiprocessors.
-PERSIST_CLUSTERS = {2: 66, 4: 30, 8: 15}
+# device holds (runtime.resident_grid), for a chip with other disabled multiprocessors. Clusters
+# of 3, 5, 6 and 7: not measured; 132 // size, an upper bound the launch trims.
+PERSIST_CLUSTERS = {2: 66, 3: 44, 4: 30, 5: 26, 6: 22, 7: 18, 8: 15}
 PERSIST_STAGES = (1, 2, 3, 4)
 PERSIST_SHARED = 227 * 1024 - 2048  # dynamic shared memory a block may stage (H100 / H200 opt-in 227 KB)
 _INT32_LIMIT = 2 ** 31 - 1
@@ -244,7 +248,8 @@ class RowSpec(KernelSpec):
         return {
             "index_t": "int" if self.index == "int32" else "long long",
             "vec": self.vec, "nv": self.nv, "tpr": self.tpr, "rpb": self.rpb, "split": self.split,
-            "cluster": self.cluster, "stages": self.stages, "shift": self.shift, "min_blocks": self.min_blocks, "lead": self.lead,
+            "cluster": self.cluster, "stages": self.stages, "shift": self.shift, "min_blocks": self.min_blocks,
+            "lead": self.lead,
             "row_ops": ops, "op": {o["name"]: o for o in ops}, "staged": staged,
             "unstaged": [o for o in ops if o not in staged], "staged_bytes": before, "columns": columns,
             "columns_bytes": after,

@@ -82,9 +82,10 @@ def unsupported_reason(spec: KernelSpec, arch: str) -> str | None:
 
 # -- presets: what `nvdnn warm --preset norm` compiles --------------------------------------------
 
-# row lengths: one per tile class the heuristic picks, and two odd ones (rows that start anywhere:
-# a medium row in one block, a vocabulary-sized one on a persistent cluster or in two passes)
-PRESET_ROWS = (128, 1024, 4096, 16384, 262144, 4099, 50257)
+# row lengths: one per tile class the heuristic picks, two odd ones (rows that start anywhere: a
+# medium row in one block, a vocabulary-sized one on a persistent cluster or in two passes), and
+# a vocabulary on a persistent cluster of 5
+PRESET_ROWS = (128, 1024, 4096, 16384, 262144, 4099, 50257, 151936)
 
 
 def preset() -> list[KernelSpec]:
