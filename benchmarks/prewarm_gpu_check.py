@@ -56,7 +56,7 @@ def matmul_specs():
     (deviceless plans)."""
     from tests import test_gpu_matmul as t
     import bench_matmul
-    plans = [t.case_plans(c) for c in t.CASES + t.BIG]
+    plans = [t.case_plans(c) for c in t.CASES + t.BIG + t.RELAUNCH_CASES]
     plans += [t.case_plans(c, tile=tile) for c in t.TILE_CASES for tile in t.tile_plans(c)]
     for _, dtype, size, epilogue, precision in bench_matmul.CASES:
         base, tiles, _ = bench_matmul.plans(dtype, size, epilogue, precision)

@@ -78,3 +78,26 @@ extern "C" __global__ void piece(const __grid_constant__ nvdnn::TmaDesc map) {
   }
 }''')
     assert _compile(source, "sm_90a")
+
+
+def test_grid_finish_on_a_named_barrier_compiles_alone(tmp_path):
+    """The split finish of common/grid_finish.cuh for a warp-specialized block: only the
+    consumer warps arrive, on a named barrier; the count is one atomic, the reads bypass L1."""
+    source = _render('''{% include "common/sm90_barrier.cuh" %}
+{% include "common/grid_finish.cuh" %}
+extern "C" __global__ void piece(float4* part, float* y, int splits) {
+  if (threadIdx.x >= 128) return;  // a producer warpgroup that never arrives
+  part[blockIdx.y * 128 + threadIdx.x] = make_float4(1.0f, 2.0f, 3.0f, 4.0f);
+  if (!nvdnn::last_to_arrive_sync(&nvdnn::grid_counters[blockIdx.x], splits, threadIdx.x == 0,
+                                  [] { nvdnn::named_barrier(3, 128); }))
+    return;
+  float s = 0.0f;
+  for (int k = 0; k < splits; ++k) {
+    const float4 v = nvdnn::ld_partial4(part + k * 128 + threadIdx.x);
+    s += v.x + v.y + v.z + v.w;
+  }
+  y[threadIdx.x] = s;
+}''')
+    for arch in ("sm_80", "sm_90"):
+        sass = _sass(_compile(source, arch), tmp_path)
+        assert "BAR.SYNC" in sass and "ATOMG.E.ADD" in sass and "LDG.E.128" in sass, arch

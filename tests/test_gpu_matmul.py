@@ -1,7 +1,8 @@
 """Matmul on the GPU against float64 references, NaN-poisoned outputs: every input type and
 transposition with the fused epilogues at odd shapes (M, N, K from {1, 7, 129, 1000, 4097}),
-K = 1, batch 3 with broadcast, split-K, fp8 with scales and amax, 4096^3 and 8192^3 bf16, and
-every tile candidate of a few shapes. A failure names the kernel (spec uri), the first
+K = 1, batch 3 with broadcast, split-K (on Hopper finished in the GEMM's launch: every epilogue,
+relaunches and CUDA-graph replays), fp8 with scales and amax, 4096^3 and 8192^3 bf16, and every
+tile candidate of a few shapes. A failure names the kernel (spec uri), the first
 mismatching index, the worst error and its bound.
 
 The cases are plain data (``CASES``, ``case_plans``), so benchmarks/prewarm_gpu_check.py
@@ -72,8 +73,35 @@ def _cases():
                                 epilogue="rowbias_relu" if m % 2 else "bias_gelu", out=out_dtype, amax=True))
         out.append(dict(dtype=a8, b_dtype=b8, m=1000, n=1029, k=1040, a_major="k", b_major="k",
                         epilogue="rowbias_relu", out="bfloat16", amax=True, precision="fast"))
-    return out
+    return out + SPLIT_CASES
 
+
+# split-K finished inside the Hopper GEMM (the last split of a tile sums the partials): odd M, N,
+# prime K (repacked), K past a multiple of 64 (the last slice zero-filled), batches, every epilogue
+# (``splitk`` only names them: -k splitk)
+SPLIT_CASES = [
+    dict(splitk=1, dtype="bfloat16", m=1, n=4111, k=4093, a_major="k", b_major="k", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="float16", m=7, n=1000, k=2056, a_major="k", b_major="k", epilogue="rowbias_relu", amax=True),
+    dict(splitk=1, dtype="bfloat16", m=3, n=2056, k=8200, a_major="k", b_major="n", epilogue="residual_silu"),
+    dict(splitk=1, dtype="float16", m=13, n=3072, k=768, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
+    dict(splitk=1, dtype="bfloat16", m=64, n=129, k=4104, a_major="k", b_major="k",
+         epilogue="plain", amax=True, batch="a"),
+    dict(splitk=1, dtype="float16", m=5, n=4099, k=3001, a_major="m", b_major="n", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="bfloat16", m=33, n=520, k=2048, a_major="k", b_major="k",
+         epilogue="residual_silu", batch="b"),
+    dict(splitk=1, dtype="float16", m=256, n=1000, k=2048, a_major="k", b_major="k",
+         epilogue="residual_silu", amax=True),
+    dict(splitk=1, dtype="bfloat16", m=7, n=1029, k=4096, a_major="k", b_major="k",
+         epilogue="gelu_tanh_f32", amax=True),
+    dict(splitk=1, dtype="float8_e4m3", m=1, n=1000, k=4096, a_major="k", b_major="k", epilogue="bias_gelu",
+         out="float8_e4m3", amax=True),
+    dict(splitk=1, dtype="float8_e4m3", b_dtype="float8_e5m2", m=7, n=1029, k=4160, a_major="k", b_major="k",
+         epilogue="rowbias_relu", out="bfloat16", amax=True),
+    dict(splitk=1, dtype="float32", precision="tf32", m=7, n=3072, k=768, a_major="k", b_major="k",
+         epilogue="bias_gelu"),
+    dict(splitk=1, dtype="float32", precision="exact", m=1, n=4099, k=4096, a_major="k", b_major="k",
+         epilogue="residual_silu"),
+]
 
 CASES = _cases()
 
@@ -298,6 +326,15 @@ def test_large_matmul_against_float64(case):
         assert math.isclose(got, amax, rel_tol=1e-2), f"{what}: amax {got}, reference {amax}"
 
 
+def plan_tensors(built, out):
+    """The tensors of a plan's launches (role -> array) for a built case, writing ``out``."""
+    tensors = {"a": built["a"], "b": built["b"], "y": out}
+    for role in ("bias", "residual", "scale_a", "scale_b", "scale_out", "amax"):
+        if built["kw"].get(role) is not None:
+            tensors[role] = built["kw"][role]
+    return tensors
+
+
 TILE_CASES = [dict(dtype="bfloat16", m=1000, n=1029, k=1032, a_major="k", b_major="k", epilogue="bias_gelu"),
               dict(dtype="float16", m=257, n=520, k=1032, a_major="m", b_major="n", epilogue="residual_silu"),
               dict(dtype="float32", precision="tf32", m=257, n=520, k=1000, a_major="k", b_major="k",
@@ -329,12 +366,8 @@ def test_every_tile_candidate(case):
         got_spec = [l.spec for l in plan.launches if isinstance(l.spec, mm.MatmulSpec)][0]
         out = built["out"].copy()
         out.fill(np.nan) if out.dtype != np.uint8 else out.fill(0xFF)
-        tensors = {"a": built["a"], "b": built["b"], "y": out}
         kw = built["kw"]
-        for role in ("bias", "residual", "scale_a", "scale_b", "scale_out", "amax"):
-            if kw.get(role) is not None:
-                tensors[role] = kw[role]
-        launcher.run(plan, tensors)
+        launcher.run(plan, plan_tensors(built, out))
         try:
             compare(_decode(out, built["kind"]), want, _tolerance_kind(case, built["kind"]), got_spec.uri, case["k"])
             if case.get("amax"):
@@ -344,6 +377,54 @@ def test_every_tile_candidate(case):
             failures.append(str(exc))
     assert not failures, f"{len(failures)} candidates wrong (heuristic {base.launches[-1].spec.uri}):\n" + \
         "\n".join(failures)
+
+
+RELAUNCH_CASES = [dict(dtype="bfloat16", m=7, n=1029, k=k, a_major="k", b_major="k", epilogue="bias_gelu")
+                  for k in (4096, 8200, 2056)]   # one split-K kernel, three split counts
+
+
+def test_split_k_plans_relaunched_and_replayed_from_a_graph():
+    """One-launch split-K (common/grid_finish.cuh's counters, reset by each tile's last split):
+    one kernel at three split counts back to back with fresh inputs and no sync between them,
+    the same bits on a rerun, then two launches captured in a CUDA graph replayed twice."""
+    import cupy
+    from nvdnn import launcher
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    cases = RELAUNCH_CASES
+    plans = [case_plans(c, sms=sms) for c in cases]
+    specs = {p.launches[-1].spec for p in plans}
+    assert len(specs) == 1 and next(iter(specs)).finish, [p.launches[-1].spec.uri for p in plans]
+    rng = np.random.default_rng(21)
+    runs = []
+    for i in (0, 1, 0, 2, 0, 1):
+        built = build(cases[i], rng)
+        launcher.run(plans[i], plan_tensors(built, built["out"]))
+        runs.append((cases[i], built, plans[i]))
+    for c, built, _ in runs:
+        compare(_decode(built["out"], "bfloat16"), reference(c, built)[0], "bfloat16", f"back to back, K {c['k']}",
+                c["k"])
+    c, built, plan = runs[0]
+    again = cupy.full_like(built["out"], np.nan)
+    launcher.run(plan, plan_tensors(built, again))
+    assert (again.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), "split-K gave other bits on a rerun"
+    outs = [cupy.full_like(built["out"], np.nan) for _ in range(2)]
+    workspace = cupy.empty(launcher.scratch_layout(plan)[1], dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for y in outs:
+            launcher.run(plan, plan_tensors(built, y), workspace=workspace, stream=stream)
+        graph = stream.end_capture()
+    want = reference(c, built)[0]
+    for replay in range(2):
+        with stream:
+            for y in outs:
+                y.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        for y in outs:
+            compare(_decode(y, "bfloat16"), want, "bfloat16", f"graph replay {replay}", c["k"])
+            assert (y.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), "graph replay: other bits"
 
 
 def test_unsupported_requests_are_refused_with_a_reason():

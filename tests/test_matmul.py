@@ -5,6 +5,7 @@ fused epilogue, and the whole preset compiled for the archs that run it: no spil
 QGMMA in the Hopper SASS, no local-memory traffic."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 
@@ -82,7 +83,8 @@ def test_heuristic_kernels():
     assert (_kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_80")).b_major) == "n"
     # tf32 has no transpose mode on wgmma: an N-major B is repacked K-major into scratch first
     # (from 2^24 multiply-adds; below, mma.sync reads it as it is)
-    plan = mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32", arch="sm_90")
+    plan = mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32", arch="sm_90",
+                          split_k=1)
     first, gemm = plan.launches
     assert isinstance(first.spec, RepackSpec) and first.pointers == ("scratch0", "b") and first.spec.read_along == "r"
     assert (gemm.spec.kernel, gemm.spec.b_major, gemm.pointers) == ("wgmma", "k", ("y", "a", "scratch0"))
@@ -91,7 +93,7 @@ def test_heuristic_kernels():
                                   arch="sm_90"))
     assert (f32n.kernel, f32n.b_major) == ("mma", "n")
     # rows of a prime length: no 16-byte row stride; both operands repacked at a padded pitch
-    plan = mm.plan_matmul(op("bfloat16", (509, 1021)), op("bfloat16", (1021, 251)), arch="sm_90")
+    plan = mm.plan_matmul(op("bfloat16", (509, 1021)), op("bfloat16", (1021, 251)), arch="sm_90", split_k=1)
     assert [l.pointers for l in plan.launches] == [("scratch0", "a"), ("scratch1", "b"), ("y", "scratch0", "scratch1")]
     maps = [m for m in plan.launches[2].args if isinstance(m, mm.TensorMapArg)]
     assert [m.strides[0] for m in maps] == [1024 * 2, 1024 * 2] and plan.scratch == (509 * 1024 * 2, 251 * 1024 * 2)
@@ -101,7 +103,7 @@ def test_heuristic_kernels():
     f32 = op("float32", (256, 256))
     assert _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), arch="sm_90")).kernel == "simt"
     # exact float32 from 2^24 multiply-adds: 3xTF32, both operands split into tf32 hi / lo planes
-    plan = mm.plan_matmul(f32, f32, arch="sm_90")
+    plan = mm.plan_matmul(f32, f32, arch="sm_90", split_k=1)
     assert [l.spec.split for l in plan.launches[:2]] == ["a", "b"] and plan.scratch == (256 * 768 * 4,) * 2
     assert (plan.launches[2].spec.kernel, plan.launches[2].spec.precision, int(plan.launches[2].args[4])) == \
         ("wgmma", "tf32", 3 * 256)
@@ -170,15 +172,13 @@ def test_fp8_sums_in_float32_unless_asked_for_fast_accumulation():
     assert info.value.arg == "promote"
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
-def test_split_k_for_skinny_shapes(arch):
-    """Few output tiles over a long K: float32 partial sums of K chunks (the persistent wgmma
-    kernel walks tiles of every chunk; mma.sync a grid z of batch x chunks), then one launch
-    sums them and applies the epilogue."""
+def test_split_k_for_skinny_shapes():
+    """Few output tiles over a long K on mma.sync: float32 partial sums of K chunks (a grid z of
+    batch x chunks), then one launch sums them and applies the epilogue."""
     plan = mm.plan_matmul(op("bfloat16", (64, 16384)), weight("bfloat16", 16384, 64), bias=op("bfloat16", (64,)),
-                          epilogue=[("gelu", "")], arch=arch)
+                          epilogue=[("gelu", "")], arch="sm_80")
     part, finish = plan.launches
-    assert part.spec.split and part.spec.kernel == ("wgmma" if arch == "sm_90" else "mma")
+    assert part.spec.split and part.spec.kernel == "mma"
     assert part.pointers == ("scratch0", "a", "b")
     assert isinstance(finish.spec, mm.MatmulReduceSpec) and finish.spec.epilogue == (("gelu", ""),)
     splits = int(finish.args[3])
@@ -187,18 +187,113 @@ def test_split_k_for_skinny_shapes(arch):
     assert chunk % part.spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
 
 
+def _finish_splits(launch, plan, m, n, batch=1):
+    """K splits of a one-launch split plan (its scratch: one float32 tile a split and output tile)."""
+    spec = launch.spec
+    tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
+    return plan.scratch[-1] // (tiles * spec.bm * spec.bn * 4)
+
+
+def test_hopper_split_k_finishes_in_the_gemm_launch():
+    """On the wgmma kernel the splits' partial tiles go to scratch and the last split of a tile
+    to arrive sums them in split order and applies the whole epilogue: one launch, whole chunks
+    of K slices, a persistent grid of at most one block an SM."""
+    plan = mm.plan_matmul(op("bfloat16", (64, 16384)), weight("bfloat16", 16384, 64), bias=op("bfloat16", (64,)),
+                          epilogue=[("gelu", "")], arch="sm_90", sms=132)
+    (gemm,) = plan.launches
+    spec = gemm.spec
+    assert spec.kernel == "wgmma" and spec.finish and not spec.split and spec.epilogue == (("gelu", ""),)
+    assert "/splitk->bf16/" in spec.uri and spec.cluster == 1
+    assert gemm.pointers == ("y", "a", "b", "bias", "scratch0")
+    splits = _finish_splits(gemm, plan, 64, 64)
+    chunk = int(gemm.args[14])   # after the two maps, ten sizes and strides, two batch multipliers
+    assert splits > 1 and chunk % spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
+    assert gemm.grid[0] <= 132
+    # fp8 splits too (the scales are the epilogue's), its amax zeroed first
+    plan = mm.plan_matmul(op("float8_e4m3", (1, 4096)), weight("float8_e4m3", 4096, 11008), amax=True,
+                          out_dtype="float8_e4m3", arch="sm_90", sms=132)
+    zero, gemm = plan.launches
+    assert isinstance(zero.spec, mm.MatmulZeroSpec) and gemm.spec.finish and gemm.spec.scaled
+    assert gemm.pointers[-1] == "scratch0" and "amax" in gemm.pointers
+
+
+# (M, N, K) -> (tile bm x bn, splits) on 132 SMs: tiles x splits in whole waves, >= 4 K slices a split
+DECODE_PLANS = {(1, 11008, 4096): ((64, 128), 3), (16, 28672, 4096): ((64, 256), 1),
+                (64, 10240, 8192): ((64, 128), 3), (1, 128256, 4096): ((64, 256), 1),
+                (32, 1000, 2048): ((64, 128), 8), (256, 1000, 2048): ((64, 64), 2),
+                (16, 3072, 768): ((64, 128), 3)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", list(DECODE_PLANS), ids=str)
+def test_split_k_fills_the_sms_on_decode_shapes(shape, dtype):
+    m, n, k = shape
+    plan = mm.plan_matmul(op(dtype, (m, k)), weight(dtype, k, n), arch="sm_90", sms=132)
+    (gemm,) = plan.launches
+    tile, splits = DECODE_PLANS[shape]
+    assert (gemm.spec.bm, gemm.spec.bn) == tile
+    got = _finish_splits(gemm, plan, m, n) if gemm.spec.finish else 1
+    assert got == splits and gemm.spec.finish == (splits > 1)
+    assert -(-k // gemm.spec.bk) // splits >= 4
+    units = -(-m // tile[0]) * -(-n // tile[1]) * splits
+    assert gemm.grid[0] == min(132, units)
+
+
+def test_gpu_split_cases_plan_one_launch_split_k():
+    """Each split-K case of the GPU tests runs the one-launch split (else it tests nothing new)."""
+    from .test_gpu_matmul import SPLIT_CASES, case_plans
+    for case in SPLIT_CASES:
+        plan = case_plans(case)
+        gemm = plan.launches[-1]
+        assert gemm.spec.finish and gemm.pointers[-1] == f"scratch{len(plan.scratch) - 1}", (case, gemm.spec.uri)
+        assert not any(isinstance(l.spec, mm.MatmulReduceSpec) for l in plan.launches), case
+
+
+def test_split_k_past_the_grid_counters_takes_two_launches():
+    """More output tiles than common/grid_finish.cuh has counters: the partials are summed by a
+    second launch (fp8, whose partials carry no descale there: no split)."""
+    plan = mm.plan_matmul(op("bfloat16", (16384, 1024)), weight("bfloat16", 1024, 16384), arch="sm_90", split_k=2)
+    part, reduce = plan.launches
+    assert part.spec.split and isinstance(reduce.spec, mm.MatmulReduceSpec)
+    assert -(-16384 // part.spec.bm) * -(-16384 // part.spec.bn) > 4096
+    plan = mm.plan_matmul(op("float8_e4m3", (16384, 1024)), weight("float8_e4m3", 1024, 16384), arch="sm_90",
+                          split_k=2)
+    assert len(plan.launches) == 1 and not plan.launches[0].spec.finish and not plan.launches[0].spec.split
+
+
+def test_split_finish_specs_validate():
+    plan = mm.plan_matmul(op("bfloat16", (1, 4096)), weight("bfloat16", 4096, 11008), arch="sm_90", sms=132)
+    spec = plan.launches[0].spec
+    assert spec.finish
+    with pytest.raises(ValidationError) as info:
+        dataclasses.replace(spec, cluster=2)
+    assert info.value.arg == "cluster"
+    with pytest.raises(ValidationError) as info:
+        dataclasses.replace(spec, bm=128, bn=256, wm=2, stages=4, residual="bfloat16")
+    assert info.value.arg == "finish"
+    with pytest.raises(ValidationError) as info:
+        dataclasses.replace(spec, kernel="mma", vec=8, a_major="k", b_major="k", bk=32, stages=4, wm=2, wn=4)
+    assert info.value.arg == "finish"
+    # a residual at 128 x 256 tiles: the two-launch path
+    plan = mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
+                          residual=op("bfloat16", (4096, 4096)), arch="sm_90", split_k=2)
+    assert plan.launches[0].spec.split and len(plan.launches) == 2
+
+
 @pytest.mark.parametrize("dtype, precision", [("bfloat16", "exact"), ("float32", "tf32"), ("float32", "exact")])
 def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, precision):
     """A skinny product of a prime K (rows no tensor map reads) or exact float32 (3xTF32):
-    repacked operands, split-K partials and the reduce launch each name their own buffer."""
-    plan = mm.plan_matmul(op(dtype, (7, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90")
+    repacked operands and the split-K partials each name their own buffer; the GEMM finishes
+    its splits itself."""
+    plan = mm.plan_matmul(op(dtype, (7, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90",
+                          sms=132)
     repacks = [l for l in plan.launches if isinstance(l.spec, RepackSpec)]
-    part, finish = [l for l in plan.launches if not isinstance(l.spec, RepackSpec)]
-    assert part.spec.split and isinstance(finish.spec, mm.MatmulReduceSpec)
+    (gemm,) = [l for l in plan.launches if not isinstance(l.spec, RepackSpec)]
+    assert gemm.spec.finish and len(plan.launches) == 3
     copies = [l.pointers[0] for l in repacks]
-    assert len(copies) == 2 and part.pointers[1:] == tuple(copies)
-    assert part.pointers[0] == finish.pointers[1] == f"scratch{len(copies)}"
-    assert len(plan.scratch) == len(copies) + 1 and plan.scratch[-1] == int(finish.args[3]) * 7 * 4099 * 4
+    assert len(copies) == 2 and gemm.pointers[1:3] == tuple(copies)
+    assert gemm.pointers[-1] == f"scratch{len(copies)}" and len(plan.scratch) == len(copies) + 1
+    assert _finish_splits(gemm, plan, 7, 4099) > 1
     assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
                               arch="sm_80").launches) == 1
 

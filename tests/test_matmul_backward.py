@@ -97,7 +97,7 @@ def test_every_16_bit_layout_runs_both_gemms_on_wgmma(dtype, a_first, b_first):
 def test_no_activation_reads_dy_directly_and_dbias_alone_is_one_pass():
     dy, a, w = op("bfloat16", (512, 256)), op("bfloat16", (512, 128)), major("bfloat16", 128, 256, True)
     plain = mm.plan_matmul_backward(dy, a, w, arch="sm_90")
-    assert [l.pointers[:2] for l in plain.launches] == [("da", "dy"), ("db", "a")] and plain.scratch == ()
+    assert [l.pointers[:2] for l in plain.launches] == [("da", "dy"), ("db", "a")]  # two GEMMs (either may split K)
     with_bias = mm.plan_matmul_backward(dy, a, w, bias=True, arch="sm_90")
     dact = with_bias.launches[1]
     assert dact.spec.act == "" and dact.pointers == ("scratch0", "scratch1", "dbias", "dy")

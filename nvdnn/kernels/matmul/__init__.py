@@ -13,7 +13,9 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   e5m2 (k32) K-major; 16-byte aligned strides and addresses. An operand it cannot read as it
   lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as
   3xTF32 (operands split into tf32 hi / lo planes, one tf32 GEMM over 3K, sums drained into
-  float32). Tiles by a wave model (``_wgmma_tile``); split-K walks the tiles of every K chunk.
+  float32). Tiles by a wave model (``heuristic._wgmma_tile``); split-K (``heuristic.split_count``:
+  tiles x splits in whole waves over the SMs) walks the tiles of every K chunk, and the last
+  split of a tile to finish sums the partials and applies the epilogue (common/grid_finish.cuh).
 - ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32) fed by ldmatrix from a
   cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
   in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
@@ -30,8 +32,8 @@ views after one memory-bound dz / dbias pass: ``backward.py``.
 from __future__ import annotations
 
 from .backward import MatmulDactSpec, batch_rule, plan_matmul_backward
-from .planning import (Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous,
-                       split_count)
+from .heuristic import split_count
+from .planning import Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
                     MatmulZeroSpec, check_operand_types, check_precision, unsupported_reason)
 from .tune import candidates, layouts, preset

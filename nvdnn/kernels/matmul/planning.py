@@ -14,6 +14,8 @@ from ...errors import DTypeError, UnsupportedError, ValidationError
 from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
+from ..reduce import GRID_COUNTERS
+from .heuristic import _heuristic_tile, split_count
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
                     MatmulSpec, MatmulZeroSpec, _epilogue_roles, _size, check_operand_types, check_precision)
 
@@ -203,7 +205,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     on sm_90 from REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
     inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
-    ``split_k``: K ranges summed by a second launch (None: the heuristic decides)."""
+    ``split_k``: K ranges whose float32 partials are summed before the epilogue (None: the
+    heuristic decides); on the wgmma kernel in the same launch (the last split of a tile to
+    finish sums them), elsewhere, or past GRID_COUNTERS output tiles, by a second launch."""
     for name, op in (("a", a), ("b", b)):
         if op.dtype not in IN_DTYPES:
             raise DTypeError(f"{name}: data type {op.dtype} is not one of {', '.join(IN_DTYPES)}", arg=name)
@@ -375,78 +379,6 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     return out
 
 
-# wgmma tiles the heuristic weighs: (bm, bn, stages, consumer warpgroups) -> throughput of one
-# block relative to 128 x 256 (H200, bf16, the tile sweep of session 7: 128 x 128 ran at about
-# 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55)
-WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2): 0.93, (64, 128, 6, 1): 0.8,
-                   (64, 64, 6, 1): 0.55}
-
-
-def _wgmma_tile(geo: Geometry, sms: int) -> tuple:
-    """The tile of least modelled time: whole waves of tiles over the SMs (the last partial
-    wave costs a full one) times a tile's work over its relative throughput. Up to 64 rows of
-    A (decode: a weight streamed from memory) take one warpgroup of 64 rows, 128 columns while
-    those tiles fill one wave, else 256 (fewer, longer streams)."""
-    if geo.m <= 64:
-        return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
-
-    def cost(tile):
-        bm, bn = tile[0], tile[1]
-        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
-        return -(-tiles // sms) * bm * bn / WGMMA_HEURISTIC[tile]
-    return min(WGMMA_HEURISTIC, key=cost)
-
-
-def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
-    if kernel == "wgmma" and not promote:
-        bm, bn, stages, wm = _wgmma_tile(geo, sms)
-        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
-        # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3: fp16
-        # 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69; equal at 4096^3)
-        return dict(bm=bm, bn=bn, bk=128 // _size(req.a_dtype), stages=stages, wm=wm, wn=1, group_m=8,
-                    cluster=2 if (bm, bn) == (128, 256) and tiles >= 8 * sms else 1)
-    if kernel == "wgmma":
-        bk = 128 // _size(req.a_dtype)
-        if geo.m <= 64:  # decode: one warpgroup of 64 rows (two accumulator sets of 64 registers)
-            return dict(bm=64, bn=128, bk=bk, stages=6, wm=1, wn=1, group_m=8)
-        if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
-            return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
-        # fp8 drained into float32 (two accumulator sets): many waves of 128 x 192 tiles, pairs
-        # of blocks sharing B by multicast (H200 8192^3: 1303 TFLOP/s against 1268 alone)
-        tiles = -(-geo.m // 128) * -(-geo.n // 192) * geo.batch
-        return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8, cluster=2 if tiles >= 8 * sms else 1)
-    if kernel == "mma":
-        if req.a_dtype == "float32":
-            return dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
-        if geo.m * geo.n * geo.batch <= 256 * 256:
-            return dict(bm=64, bn=64, bk=64, stages=4, wm=2, wn=2, group_m=8)
-        return dict(bm=128, bn=128, bk=32, stages=4, wm=2, wn=4, group_m=8)
-    return dict(bm=64, bn=64, bk=16, stages=1, wm=1, wn=1, group_m=8)
-
-
-SPLIT_MIN_K = 2048
-TARGET_CTAS = 2 * DEFAULT_SMS
-
-
-def split_count(spec: MatmulSpec, geo: Geometry, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
-    """K ranges for split-K: asked for, or when the output tiles fill less than half the GPU and
-    K is long (each range keeps at least 512 of K; the persistent wgmma grid: enough ranges for
-    about one wave of tiles)."""
-    if spec.kernel == "wgmma" and spec.a_dtype in FP8:
-        return 1   # the partial sums carry no descale (the split launch takes no scales)
-    if spec.kernel == "wgmma" and split_k is None:
-        tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
-        if geo.k < SPLIT_MIN_K or tiles * 2 > sms:
-            return 1
-        return max(1, min(sms // tiles, geo.k // 512, 32))
-    if split_k is not None:
-        return max(1, min(int(split_k), -(-geo.k // spec.bk)))
-    tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
-    if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
-        return 1
-    return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))
-
-
 def _ints(*values) -> tuple:
     return tuple(np.int64(v) for v in values)
 
@@ -474,7 +406,14 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         step = spec.bk * (2 if spec.promote else 1)
         chunk = -(-(-(-k // splits)) // step) * step
         splits = -(-k // chunk)
-    if splits > 1:
+    out_tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
+    fin = _finish_spec(spec, out_tiles) if splits > 1 else None
+    if fin is not None:  # one launch: each split's partial tile to scratch, the last split of a tile finishes it
+        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits)
+        launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
+                               + ("scratch0",), maps + geometry_args + bmul + (np.int32(chunk),) + epi_args))
+        return Plan(tuple(launches), scratch=(splits * out_tiles * spec.bm * spec.bn * 4,))
+    if splits > 1 and not req.scaled:  # fp8: past the counters, no split (the partials carry no descale)
         part = dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
                                    amax=False, scaled=False, split=True)
         part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
@@ -501,6 +440,17 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch))
     launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, pointers, geometry_args + epi_args))
     return Plan(tuple(launches))
+
+
+def _finish_spec(spec: MatmulSpec, out_tiles: int) -> MatmulSpec | None:
+    """The wgmma kernel finishing its own split-K (None: the two-launch path): one grid counter
+    an output tile (common/grid_finish.cuh), and a variant that holds its registers."""
+    if spec.kernel != "wgmma" or out_tiles > GRID_COUNTERS:
+        return None
+    try:
+        return dataclasses.replace(spec, finish=True, cluster=1)
+    except ValidationError:
+        return None
 
 
 def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int) -> tuple:

@@ -128,7 +128,8 @@ def _epilogue_scalars(spec) -> list[str]:
 @dataclass(frozen=True)
 class MatmulSpec(KernelSpec):
     """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
-    the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes)."""
+    the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes), then with
+    ``finish`` the fp32 partial tiles ("scratch0")."""
     family = "matmul"
     tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
 
@@ -146,6 +147,7 @@ class MatmulSpec(KernelSpec):
     amax: bool
     scaled: bool                 # fp8 inputs: descale factors scale_a, scale_b
     split: bool = False          # write fp32 partial sums of a K range (split-K), no epilogue
+    finish: bool = False         # wgmma split-K in one launch: the last split of a tile sums and finishes it
     vec: int = 1                 # mma: elements per asynchronous copy (16 bytes or less)
     bm: int = 128
     bn: int = 128
@@ -168,6 +170,7 @@ class MatmulSpec(KernelSpec):
         one_of(self.b_dtype, IN_DTYPES, "b_dtype")
         _check_epilogue_fields(self)
         one_of(self.split, (False, True), "split")
+        one_of(self.finish, (False, True) if self.kernel == "wgmma" and not self.split else (False,), "finish")
         one_of(self.promote, (False, True) if self.kernel == "wgmma" and self.a_dtype in FP8 + ("float32",)
                else (False,), "promote")
         check_operand_types(self.a_dtype, self.b_dtype, "b_dtype")
@@ -180,7 +183,7 @@ class MatmulSpec(KernelSpec):
         for name in ("bm", "bn"):
             one_of(getattr(self, name), TILE_MN, name)
         one_of(self.bk, TILE_K, "bk")
-        one_of(self.cluster, (1, 2) if self.kernel == "wgmma" else (1,), "cluster")
+        one_of(self.cluster, (1, 2) if self.kernel == "wgmma" and not self.finish else (1,), "cluster")
         for name, allowed in (("stages", (1, 2, 3, 4, 5, 6)), ("wm", (1, 2, 4, 8)), ("wn", (1, 2, 4, 8)),
                               ("group_m", (1, 2, 4, 8, 16)), ("vec", (0, 1, 2, 4, 8, 16))):
             one_of(getattr(self, name), allowed, name)
@@ -202,6 +205,9 @@ class MatmulSpec(KernelSpec):
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
+        if self.finish and self.residual and self.bn > 192:  # sm_90a, 168 registers: 28 bytes spilled
+            raise ValidationError("finish: a split-K finish with a residual holds too many registers at bn "
+                                  f"{self.bn} (at most 192)", arg="finish")
         # float32 accumulators a consumer thread holds: the tensor core's, and as many again to
         # drain them into when promoting (the registers left cap both)
         held = (self.bm // self.wm // 64) * self.bn // 2 * (2 if self.promote else 1)
@@ -273,6 +279,7 @@ class MatmulSpec(KernelSpec):
             tile += f"v{self.vec}"
         return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}x{_short(self.b_dtype)}.{self.b_major}"
                 + (f"/{self.precision}" if self.precision else "") + ("/split" if self.split else "")
+                + ("/splitk" if self.finish else "")
                 + _epilogue_uri(self) + "/" + tile)
 
     @property
@@ -293,19 +300,19 @@ class MatmulSpec(KernelSpec):
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
-            "a_major": self.a_major, "b_major": self.b_major, "split": self.split,
+            "a_major": self.a_major, "b_major": self.b_major, "split": self.split, "finish": self.finish,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
             "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
             "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
                                f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
-            + _epilogue_pointers(self),
+            + _epilogue_pointers(self) + (["float* __restrict__ partials"] if self.finish else []),
             "map_params": ["const __grid_constant__ nvdnn::TmaDesc tma_a", "const __grid_constant__ nvdnn::TmaDesc tma_b"]
             if self.kernel == "wgmma" else [],
             "geometry_params": ["int M", "int N", "int K", "int batch", "long long a_sm", "long long a_sk",
                                 "long long a_sb", "long long b_sk", "long long b_sn", "long long b_sb"]
             + (["int a_bmul", "int b_bmul"] if self.kernel == "wgmma" else [])
-            + (["int k_chunk"] if self.split else []) + _epilogue_scalars(self),
+            + (["int k_chunk"] if self.split or self.finish else []) + _epilogue_scalars(self),
         })
         return ctx
 

@@ -36,11 +36,14 @@ def candidates(spec) -> list:
         tiles = [dict(bm=bm, bn=bn, bk=bk, stages=s, wm=wm, wn=wn) for bm, bn, bk, s, wm, wn in table]
     else:
         tiles = [dict(bm=bm, bn=bn, bk=bk) for bm, bn, bk in SIMT_TILES]
+    base = dataclasses.replace(spec, finish=False)  # the plan of each tile decides whether it splits
     for t in tiles:
         try:
-            out.append(dataclasses.replace(spec, **t))
+            variant = dataclasses.replace(base, **t)
         except ValidationError:
             continue
+        if variant != base:
+            out.append(variant)
     return list(dict.fromkeys(out))
 
 
@@ -65,7 +68,8 @@ def layouts(dtype: str) -> list:
 def preset() -> list:
     """What nvdnn.matmul and the graph op run on aligned, packed tensors: every input type on its
     fast kernel (Hopper and Ampere) and the simt fallback, epilogues of the reference workloads
-    (bias + GELU, bias + ReLU + amax on fp8), a residual, split-K, transposed layouts."""
+    (bias + GELU, bias + ReLU + amax on fp8), a residual, split-K (decode shapes: finished in
+    the Hopper GEMM's own launch), transposed layouts."""
     specs: dict = {}
 
     def add(plan):
@@ -93,6 +97,11 @@ def preset() -> list:
             for a_t, b_t in layouts(dt):                                              # every major-ness, batched
                 add(plan_matmul(a_t, b_t, arch=arch))
             add(plan_matmul(op(dt, (64, 16384)), op(dt, (16384, 64), (1, 16384)), arch=arch))  # split-K
+            decode_w = op(dt, (4096, 11008), (1, 4096))        # decode: split-K finished in the GEMM on sm_90
+            add(plan_matmul(op(dt, (1, 4096)), decode_w, arch=arch))
+            add(plan_matmul(op(dt, (7, 4096)), decode_w, bias=op(dt, (11008,)), epilogue=[("gelu", "")], arch=arch))
+            add(plan_matmul(op(dt, (256, 2048)), op(dt, (2048, 1000), (1, 2048)), residual=op(dt, (256, 1000)),
+                            arch=arch))
             add(plan_matmul(op(dt, (509, 1021)), op(dt, (1021, 251)), arch=arch))  # rows of a prime K: repacked
             for cand in candidates(next(s for s in specs if isinstance(s, MatmulSpec) and s.a_dtype == dt
                                         and s.kernel == ("wgmma" if arch == "sm_90" else "mma"))):
@@ -101,6 +110,7 @@ def preset() -> list:
         add(plan_matmul(f32, f32, arch=arch))
         add(plan_matmul(f32, f32, precision="tf32", arch=arch))
         add(plan_matmul(f32, op("float32", (big, big), (1, big)), precision="tf32", arch=arch))
+        add(plan_matmul(op("float32", (16, 768)), op("float32", (768, 3072), (1, 768)), precision="tf32", arch=arch))
     for e in FP8:
         a8, w8 = op(e, (8192, 8192)), op("float8_e4m3", (8192, 8192), (1, 8192))
         bias = op("bfloat16", (8192,))
@@ -111,4 +121,6 @@ def preset() -> list:
                         out_dtype="float8_e4m3", arch="sm_90"))
         add(plan_matmul(a8, w8, bias=bias, epilogue=[("relu", "")], params=(0.0, math.inf), amax=True,
                         precision="fast", arch="sm_90"))
+        add(plan_matmul(op(e, (1, 4096)), op("float8_e4m3", (4096, 11008), (1, 4096)), bias=op("bfloat16", (11008,)),
+                        amax=True, out_dtype="float8_e4m3", arch="sm_90"))   # decode: split-K finished in the GEMM
     return list(specs)

@@ -1,0 +1,99 @@
+"""The matmul heuristics: the wgmma tile by a wave model, the other kernels' tiles, and how many
+K splits a plan takes (for the wgmma kernel a wave model of tiles x splits over the SMs)."""
+from __future__ import annotations
+
+from .specs import DEFAULT_SMS, MatmulSpec, _size
+
+# wgmma tiles the heuristic weighs: (bm, bn, stages, consumer warpgroups) -> throughput of one
+# block relative to 128 x 256 (H200, bf16, the tile sweep of session 7: 128 x 128 ran at about
+# 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55)
+WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2): 0.93, (64, 128, 6, 1): 0.8,
+                   (64, 64, 6, 1): 0.55}
+
+
+def _wgmma_tile(geo, sms: int) -> tuple:
+    """The tile of least modelled time: whole waves of tiles over the SMs (the last partial
+    wave costs a full one) times a tile's work over its relative throughput. Up to 64 rows of
+    A (decode: a weight streamed from memory) take one warpgroup of 64 rows, 128 columns while
+    those tiles fill one wave, else 256 (fewer, longer streams)."""
+    if geo.m <= 64:
+        return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
+
+    def cost(tile):
+        bm, bn = tile[0], tile[1]
+        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
+        return -(-tiles // sms) * bm * bn / WGMMA_HEURISTIC[tile]
+    return min(WGMMA_HEURISTIC, key=cost)
+
+
+def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
+    if kernel == "wgmma" and not promote:
+        bm, bn, stages, wm = _wgmma_tile(geo, sms)
+        tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
+        # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3: fp16
+        # 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69; equal at 4096^3)
+        return dict(bm=bm, bn=bn, bk=128 // _size(req.a_dtype), stages=stages, wm=wm, wn=1, group_m=8,
+                    cluster=2 if (bm, bn) == (128, 256) and tiles >= 8 * sms else 1)
+    if kernel == "wgmma":
+        bk = 128 // _size(req.a_dtype)
+        if geo.m <= 64:  # decode: one warpgroup of 64 rows (two accumulator sets of 64 registers)
+            return dict(bm=64, bn=128, bk=bk, stages=6, wm=1, wn=1, group_m=8)
+        if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
+            return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
+        # fp8 drained into float32 (two accumulator sets): many waves of 128 x 192 tiles, pairs
+        # of blocks sharing B by multicast (H200 8192^3: 1303 TFLOP/s against 1268 alone)
+        tiles = -(-geo.m // 128) * -(-geo.n // 192) * geo.batch
+        return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8, cluster=2 if tiles >= 8 * sms else 1)
+    if kernel == "mma":
+        if req.a_dtype == "float32":
+            return dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
+        if geo.m * geo.n * geo.batch <= 256 * 256:
+            return dict(bm=64, bn=64, bk=64, stages=4, wm=2, wn=2, group_m=8)
+        return dict(bm=128, bn=128, bk=32, stages=4, wm=2, wn=4, group_m=8)
+    return dict(bm=64, bn=64, bk=16, stages=1, wm=1, wn=1, group_m=8)
+
+
+SPLIT_MIN_K = 2048
+TARGET_CTAS = 2 * DEFAULT_SMS
+# the wgmma split model (``_wgmma_splits``): K slices a split keeps at least (its pipeline fill
+# hidden behind them), slices' worth of time a work unit spends outside its K loop (the fill, the
+# epilogue), the gain a split must model, and the tile counts it is weighed at (two waves and
+# more lose a third or less to the last one)
+SPLIT_MIN_SLICES = 4
+SPLIT_FIXED = 3
+SPLIT_GAIN = 0.9
+SPLIT_MAX = 32
+
+
+def _wgmma_splits(tiles: int, slices: int, extra: float, sms: int) -> int:
+    """K splits of a wgmma plan: the fewest of least modelled time, whole waves of tiles x
+    splits work units over the SMs times a unit's slices (its share of K, the fixed costs, and
+    with a split ``extra``: its partial tile written and, on average, one read back); 1 unless
+    that beats the unsplit time by SPLIT_GAIN. Decode 1 x 11008 x 4096 on 64 x 128 tiles: 86
+    units in one wave of 67 slices' time, 3 splits 258 units in two waves of 25."""
+    if tiles > 2 * sms:
+        return 1
+
+    def cost(s):
+        return -(-tiles * s // sms) * (-(-slices // s) + SPLIT_FIXED + (extra if s > 1 else 0))
+    best = min(range(1, max(1, min(SPLIT_MAX, slices // SPLIT_MIN_SLICES)) + 1), key=lambda s: (cost(s), s))
+    return best if cost(best) <= SPLIT_GAIN * cost(1) else 1
+
+
+def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
+    """K ranges for split-K: asked for (at most one a K slice), or the heuristic's: on the
+    persistent wgmma grid the wave model of ``_wgmma_splits`` (none for a 2-block cluster
+    tile, a candidate of many waves); elsewhere when the output tiles fill less than half the
+    GPU and K is long (each range keeps at least 512 of K)."""
+    if split_k is not None:
+        return max(1, min(int(split_k), -(-geo.k // spec.bk)))
+    tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
+    if spec.kernel == "wgmma" and spec.cluster > 1:  # a tile asked for with its cluster: many waves, no split
+        return 1
+    if spec.kernel == "wgmma":
+        # a partial tile's bytes (rows past M are not written) over a slice's (128 bytes of K a row)
+        extra = 2 * min(spec.bm, geo.m) * spec.bn * 4 / ((spec.bm + spec.bn) * 128)
+        return _wgmma_splits(tiles, -(-geo.k // spec.bk), extra, sms)
+    if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
+        return 1
+    return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))
