@@ -8,7 +8,7 @@ import numpy as np
 from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
-from .functional import _signature
+from .functional import ACTIVATIONS, _signature
 from .functional_anchors import _activation
 from .graph.ops import SCHEMAS
 from .kernels import matmul as family
@@ -38,6 +38,8 @@ def check_matmul_backward(dy, a, b, pre_activation, bias, activation, outs, dtyp
             raise ValidationError(f"{role}: shape {metas[role].shape} should be {shape}, the shape of a @ b", arg=role)
     family.batch_rule(metas["a"].shape, metas["b"].shape)
     checks.flag(bias, "matmul_backward", "bias")
+    if activation is not None:
+        checks.choice(ACTIVATIONS, activation, "activation")  # a name, before it is compared
     if activation not in (None, "identity") and pre_activation is None:
         raise ValidationError(f"pre_activation: activation {activation!r} needs the saved pre-activation z = a @ b + "
                               "bias (for relu, y itself will do)", arg="pre_activation")
