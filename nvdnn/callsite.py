@@ -47,7 +47,7 @@ class Recording:
 
 
 def recording() -> Recording | None:
-    return getattr(_LOCAL, "recording", None)
+    return getattr(_LOCAL, "recording", None) if _ACTIVE else None
 
 
 def refuse(reason: str) -> None:
@@ -88,6 +88,11 @@ def launch(function, grid, block, args, shared_mem: int = 0, stream=None, deferr
     if deferred:
         args = resolve(args)
     function(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def has_deferred(args) -> bool:
+    """Whether some argument resolves only at launch (has ``resolve``)."""
+    return any(hasattr(a, "resolve") for a in args)
 
 
 def resolve(args) -> tuple:
@@ -228,7 +233,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     from .runtime import DependentFunction
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
-    deferred = any(s[0] == "c" and hasattr(s[1], "resolve") for s in sources)
+    deferred = has_deferred(s[1] for s in sources if s[0] == "c")
     plain = not deferred and not isinstance(function, DependentFunction)
     template, fills = [], []
     for slot, source in enumerate(sources):
@@ -344,7 +349,7 @@ def fast(function):
     """Give public ``function`` the recorded fast path (see the module's docstring)."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        if _ACTIVE and getattr(_LOCAL, "recording", None) is not None:  # inside another call's recording
+        if recording() is not None:  # inside another public call's recording: part of it
             return function(*args, **kwargs)
         arrays, addresses = [], []
         try:
@@ -409,8 +414,3 @@ def _count_active(step: int) -> None:
     global _ACTIVE
     with _ACTIVE_LOCK:
         _ACTIVE += step
-
-
-def clear() -> None:
-    """Forget every replay (the next call of each signature takes the full path)."""
-    _REPLAYS.clear()

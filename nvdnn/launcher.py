@@ -23,10 +23,6 @@ def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), size
 
 
-def has_deferred(args: tuple) -> bool:
-    return any(hasattr(a, "resolve") for a in args)
-
-
 def functions(plan: Plan, device: int, arch: str | None = None) -> list:
     """The loaded kernel of every launch, compiled or fetched from the cache on first use."""
     arch = arch or compiler.device_arch(device)
@@ -60,4 +56,4 @@ def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int |
                 raise ValidationError(f"tensors: the plan needs an array for '{role}'", arg=role)
         grid = runtime.resident_grid(fn, launch.spec, launch.grid, launch.block, launch.shared_mem)
         callsite.launch(fn, grid, launch.block, (*pointers, *launch.args), launch.shared_mem, stream,
-                        has_deferred(launch.args))
+                        callsite.has_deferred(launch.args))

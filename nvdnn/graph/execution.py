@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import arrays, callsite, dtypes, launcher, runtime
+from .. import arrays, callsite, dtypes, runtime
 from ..errors import DeviceError, DTypeError, ValidationError
 from ..kernels import pointwise
 from .anchors import ANCHORS, Epilogue, Meta
@@ -231,7 +231,7 @@ class Execution:
                 fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem, lp.spec.dependent_launch)
                 grid = runtime.resident_grid(fn, lp.spec, lp.grid, lp.block, lp.shared_mem)
                 launches.append((_Launch(fn, grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
-                                         launcher.has_deferred(lp.args)), pointers))
+                                         callsite.has_deferred(lp.args)), pointers))
             runs.append(_GroupRun(launches, outputs))
         return runs
 
