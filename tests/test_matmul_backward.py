@@ -230,3 +230,25 @@ def test_graph_ops_build_serialize_and_run_the_reference():
     assert len(g2.matmul_backward(*t)) == 2
     with pytest.raises(ValidationError, match="'pre_activation' is needed by activation='relu'"):
         g2.matmul_backward(*t, activation="relu")
+
+
+def test_graph_gradients_take_the_io_type_or_their_own():
+    """Every gradient a graph returns follows the io type (bf16 here, not the float32 of an
+    intermediate), and a type set on one gradient is the one its kernel writes."""
+    def build(db_type=None):
+        g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90")
+        t = [g.tensor(dims=d, name=n) for n, d in (("dy", [512, 256]), ("a", [512, 128]), ("b", [128, 256]))]
+        grads = g.linear_backward(*t)
+        for grad in grads[1:]:
+            grad.set_output(True)
+        if db_type:
+            grads[1].set_data_type(db_type)
+        g.build()
+        plan = g._anchor_plan(g.groups[0], g._built_operands(g.groups[0]))
+        return grads, {p: lp.spec.out_dtype for lp in plan.launches for p in lp.pointers if p in ("da", "db", "dbias")}
+
+    grads, written = build()
+    assert [t.data_type for t in grads[1:]] == ["bfloat16"] * 2
+    assert written == {"da": "float32", "db": "bfloat16", "dbias": "bfloat16"}  # da: a virtual, float32 intermediate
+    grads, written = build("float32")
+    assert written == {"da": "float32", "db": "float32", "dbias": "bfloat16"}

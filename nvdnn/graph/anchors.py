@@ -95,6 +95,7 @@ class Epilogue(NamedTuple):
     tile: object = None
     arch: str | None = None
     folds: tuple = ()     # the anchor's ``folds`` the graph folded in: their outputs are plan pointers
+    out_dtypes: tuple = ()  # every output's data type, in the anchor's output order
 
 
 ANCHORS: dict[str, AnchorOp] = {}
@@ -465,7 +466,7 @@ def _matmul_backward(bias: bool) -> AnchorOp:
         act = None if a["activation"] == "identity" else a["activation"]
         params = () if act is None else tuple(d for _, d, _ in SCHEMAS[act].params)
         return matmul.plan_matmul_backward(o["dy"], o["a"], o["b"], z=o.get("pre_activation"), activation=act,
-                                           params=params, bias=bias, out_dtype=e.out_dtype,
+                                           params=params, bias=bias, out_dtype=e.out_dtypes or e.out_dtype,
                                            precision=a["precision"], arch=e.arch)
 
     return AnchorOp(

@@ -266,7 +266,8 @@ class Execution:
     def _anchor_plan(self, group, operands: dict, out_align: int = 16, tile=None):
         """The family plan of an anchor group for these operands (role -> Operand)."""
         epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile,
-                            self.arch, tuple(n.op for n in group.folded))
+                            self.arch, tuple(n.op for n in group.folded),
+                            tuple(t.data_type for t in group.anchor.outputs))
         try:
             return ANCHORS[group.anchor.op].plan(dict(group.anchor.attrs), operands, epilogue)
         except ValidationError as exc:

@@ -91,7 +91,7 @@ class Graph(Execution):
         tensor.name = name
         self._names[name] = tensor
 
-    def _new_tensor(self, dims, strides, data_type, name, uid, is_virtual) -> Tensor:
+    def _new_tensor(self, dims, strides, data_type, name, uid, is_virtual, follows_io=False) -> Tensor:
         if uid is None:
             uid = max(self.tensors, default=0) + 1
         if type(uid) is not int or uid < 0:
@@ -101,7 +101,7 @@ class Graph(Execution):
         name = name if name is not None else f"t{uid}"
         if name in self._names:
             raise ValidationError(f"tensor name: '{name}' is already used in graph '{self.name}'", arg="name")
-        tensor = Tensor(self, uid, name, dims, strides, data_type, is_virtual)
+        tensor = Tensor(self, uid, name, dims, strides, data_type, is_virtual, follows_io=follows_io)
         self.tensors[uid] = tensor
         self._names[name] = tensor
         self._touch()
@@ -173,7 +173,7 @@ class Graph(Execution):
                                   f"broadcast dims (cuDNN's rule); got {ranks}", arg="dims")
         out = self._new_tensor(shape, contiguous_strides(shape), self.intermediate_data_type,
                                out_name or (name if name and name not in self._names else f"{node_name}.out"), uid,
-                               True)
+                               True, follows_io=True)
         node = Node(node_name, op, tuple(inputs), params, (out,))
         self._touch()
         out.producer = node
@@ -203,7 +203,7 @@ class Graph(Execution):
             if out_name is None:
                 out_name = name if k == 0 and name and name not in self._names else f"{node_name}.{role}"
             outputs.append(self._new_tensor(meta.dims, meta.strides, meta.data_type or self.intermediate_data_type,
-                                            out_name, uid, True))
+                                            out_name, uid, True, follows_io=meta.data_type is None))
         node = Node(node_name, op, tuple(tensors), (), tuple(outputs), tuple(roles), tuple(sorted(attrs.items())))
         self._touch()
         for t in outputs:

@@ -26,22 +26,23 @@ class Tensor:
     caller; ``set_output(True)`` makes one a result that ``execute`` writes to.
     """
 
-    __slots__ = ("graph", "uid", "name", "dims", "strides", "data_type", "is_virtual", "alignment", "producer")
+    __slots__ = ("graph", "uid", "name", "dims", "strides", "data_type", "is_virtual", "alignment", "producer",
+                 "follows_io")
 
     def __init__(self, graph, uid: int, name: str, dims, strides, data_type: str, is_virtual: bool,
-                 alignment: int = 16):
+                 alignment: int = 16, follows_io: bool = False):
         self.graph, self.uid, self.name = graph, uid, name
         self.dims, self.strides = tuple(dims), tuple(strides)
         self.data_type, self.is_virtual = data_type, is_virtual
         self.alignment = alignment  # bytes the arrays' addresses are a multiple of (16 allows 16-byte loads)
         self.producer = None
+        self.follows_io = follows_io  # an op's output of no fixed type: an output of the graph takes the io type
 
     def set_output(self, is_output: bool = True) -> "Tensor":
         self.graph._touch()
         self.is_virtual = not is_output
-        # a node's main output follows the io data type; saved statistics keep theirs
-        if (is_output and self.producer is not None and self.producer.outputs[0] is self
-                and self.data_type == self.graph.intermediate_data_type):
+        # an op's result follows the io data type; saved statistics (a fixed type) keep theirs
+        if is_output and self.follows_io and self.data_type == self.graph.intermediate_data_type:
             self.data_type = self.graph.io_data_type
         return self
 

@@ -206,7 +206,7 @@ def _renamed(plan: Plan, roles: dict, first: int) -> tuple:
 
 
 def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | None = None, activation: str | None = None,
-                         params=(), bias: bool = False, out_dtype: str | None = None, da_strides=None,
+                         params=(), bias: bool = False, out_dtype: str | tuple | None = None, da_strides=None,
                          db_strides=None, precision: str = "exact", arch: str | None = None,
                          sms: int | None = None) -> Plan:
     """The backward of y = act(a @ b + bias): "da" (a's shape, ``da_strides``: default packed),
@@ -221,8 +221,11 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
         raise ValidationError(f"activation: {activation!r} is not one of identity, {', '.join(pointwise.DERIVATIVES)}",
                               arg="activation")
     _check(dy, a, b, z, activation if act else None, shape)
-    out_dtype = out_dtype or a.dtype
-    one_of(out_dtype, DTYPES, "dtype")
+    types = (tuple(out_dtype) + (None,))[:3] if isinstance(out_dtype, tuple) else (out_dtype,) * 3
+    da_dtype, db_dtype, dbias_dtype = types
+    da_dtype = one_of(da_dtype or a.dtype, DTYPES, "dtype")
+    db_dtype = one_of(db_dtype or da_dtype, DTYPES, "dtype")
+    dbias_dtype = one_of(dbias_dtype or da_dtype, DTYPES, "dtype")
     if act:
         pointwise.check_epilogue(((act, ""),), params)
     rank, lead = len(shape), shape[:-2]
@@ -235,13 +238,13 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
     launches, scratch = [], []
     dz = dy
     if act or bias:
-        launches, scratch = _dact_launches(dict(dtype=dy.dtype, out_dtype=out_dtype, act=act, bias=bool(bias)), dy, z,
+        launches, scratch = _dact_launches(dict(dtype=dy.dtype, out_dtype=dbias_dtype, act=act, bias=bool(bias)), dy, z,
                                            rows, n, params, sms)
         if act:
             dz = Operand(dy.dtype, shape, pointwise_contiguous(shape), 16)
     dz_role = "scratch0" if act else "dy"
-    gemm = dict(out_dtype=out_dtype, precision=precision, arch=arch, sms=sms)
-    plan_a = plan_matmul(dz, _transposed(b), out_strides=da_strides, **gemm)
+    gemm = dict(precision=precision, arch=arch, sms=sms)
+    plan_a = plan_matmul(dz, _transposed(b), out_strides=da_strides, out_dtype=da_dtype, **gemm)
     launches += _renamed(plan_a, {"y": "da", "a": dz_role, "b": "b"}, len(scratch))
     scratch += plan_a.scratch
     if fold:  # dB = sum over the batch of a^T dz: the batch folds into the contracted dim
@@ -253,9 +256,9 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
         a_rows = Operand(a.dtype, (k, rows), (a.strides[-1], rs_a), a.align)
         dz_rows = Operand(dz.dtype, (rows, n), (rs_dz, dz.strides[-1]), dz.align)
         plan_b = plan_matmul(a_rows, dz_rows, out_strides=None if db_strides is None else tuple(db_strides)[-2:],
-                             **gemm)
+                             out_dtype=db_dtype, **gemm)
     else:
         db_strides = None if db_strides is None else (0,) * (rank - len(db_strides)) + tuple(db_strides)
-        plan_b = plan_matmul(_transposed(a), dz, out_strides=db_strides, **gemm)
+        plan_b = plan_matmul(_transposed(a), dz, out_strides=db_strides, out_dtype=db_dtype, **gemm)
     launches += _renamed(plan_b, {"y": "db", "a": "a", "b": dz_role}, len(scratch))
     return Plan(tuple(launches), scratch=tuple(scratch) + plan_b.scratch)
