@@ -117,8 +117,10 @@ def _pick_vec(first: str, layout: _Rows, operands: dict, extra, shift_ok: bool =
         for name, op in operands.items():
             if layout.access[name] == "u":
                 fits.append(op.align % min(16, vec * _itemsize(op.dtype)) == 0)
-                aligned.append(all(s % vec == 0 for s in layout.strides[name]))
-                same.append(all((s - o) % vec == 0 for s, o in zip(layout.strides[name], out_strides)))
+                # a lead dim of extent 1 is never stepped (its stride may be anything: 0 here)
+                steps = [(s, o) for n, s, o in zip(layout.lead, layout.strides[name], out_strides) if n > 1]
+                aligned.append(all(s % vec == 0 for s, _ in steps))
+                same.append(all((s - o) % vec == 0 for s, o in steps))
         fits += [align % min(16, vec * item) == 0 for item, align in extra]
         if all(fits) and all(aligned):
             return Vectors(vec)
