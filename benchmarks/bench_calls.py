@@ -139,6 +139,10 @@ def _rows_case(name, size):
                                  lambda n, dy, y: partial(n.log_softmax_backward, dy, y),
                                  lambda t, dy, y: partial(t.ops.aten._log_softmax_backward_data, dy, y, -1, y.dtype),
                                  False),
+        # PyTorch's call computes the loss only; nvdnn's writes the logits' gradient too
+        "cross_entropy": ((x, Arr((rows,), "int64", low=0, high=L)),
+                          lambda n, x, c: partial(n.cross_entropy, x, c),
+                          lambda t, x, c: partial(F(t).cross_entropy, x, c, reduction="none"), False),
     }
     if name in _REDUCE or name in _NORMS:
         def pt(t, x):

@@ -2,6 +2,7 @@
 process on the same inputs.
 
     python benchmarks/bench_norm.py [--json FILE] [--no-sweep] [--targets long,medium] [--occupancy]
+    python benchmarks/bench_norm.py --no-sweep --dtypes bfloat16,float32 --targets vocab,vocab-decode,odd
 
 Effective bandwidth counts each input read once and each output written once (gamma / beta
 and saved statistics included). Long rows run every way: the persistent cluster (sm_90, the
@@ -26,7 +27,11 @@ from nvdnn.kernels import norm, tile_spec  # noqa: E402
 from nvdnn.kernels.pointwise import Operand  # noqa: E402
 
 TARGETS = [  # (name, rows, L, target TB/s)
-    ("medium", 16384, 4096, 3.8), ("short", 65536, 128, 2.5), ("long", 256, 262144, 2.5)]
+    ("medium", 16384, 4096, 3.8), ("short", 65536, 128, 2.5), ("long", 256, 262144, 2.5),
+    # rows of odd length (shifted 16-byte vectors): a vocabulary of 50257, a decode step over
+    # Llama 3's 128256, and a medium row of 4099
+    ("vocab", 4096, 50257, 3.5), ("vocab-decode", 8, 128256, 1.0), ("odd", 8192, 4099, 3.5)]
+DEFAULT_TARGETS = ("medium", "short", "long")
 
 
 def operand(a) -> Operand:
@@ -212,7 +217,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-sweep", action="store_true", help="skip timing every tile candidate")
     parser.add_argument("--dtypes", default="bfloat16", help="comma-separated, e.g. bfloat16,float16,float32")
-    parser.add_argument("--targets", default=",".join(t[0] for t in TARGETS),
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help="comma-separated workloads: " + ", ".join(t[0] for t in TARGETS))
     parser.add_argument("--occupancy", action="store_true", help="print co-resident persistent clusters, then stop")
     args, torch, device, copy = start(parser)

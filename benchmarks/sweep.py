@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import COPY_CEILING_TBS, time_ms  # noqa: E402
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}  # int64: class labels
 BIG_BYTES = 64 << 20     # rows moving at least this much: one input set, and the 3.5 TB/s target
 MAX_SETS = 32            # input sets rotated (against L2) for rows below BIG_BYTES
 TARGET_GEOMEAN, TARGET_WORST, TARGET_BIG_TBS = 1.3, 1.0, 3.5
@@ -38,7 +38,7 @@ class Arr(NamedTuple):
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     def describe(self) -> str:
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[self.dtype]
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64"}[self.dtype]
         return "x".join(map(str, self.shape)) + f" {short}" + (" NHWC" if self.layout else "")
 
 

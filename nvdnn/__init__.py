@@ -10,10 +10,10 @@ from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, g
 from .functional_matmul import matmul
 from .functional_matmul_backward import matmul_backward
 from .functional_anchors import (amax, avg_pool2d, avg_pool2d_backward, batch_norm, batch_norm_backward,
-                                 global_avg_pool2d, group_norm, instance_norm, layer_norm, layer_norm_backward,
-                                 log_softmax, log_softmax_backward, max, max_pool2d, max_pool2d_backward, mean,
-                                 min, norm1, norm2, prod, rms_norm, rms_norm_backward, softmax, softmax_backward,
-                                 sum)
+                                 cross_entropy, global_avg_pool2d, group_norm, instance_norm, layer_norm,
+                                 layer_norm_backward, log_softmax, log_softmax_backward, max, max_pool2d,
+                                 max_pool2d_backward, mean, min, norm1, norm2, prod, rms_norm, rms_norm_backward,
+                                 softmax, softmax_backward, sum)
 
 __version__ = "0.1.0"
 

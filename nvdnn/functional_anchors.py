@@ -322,6 +322,16 @@ def log_softmax(x, axis=-1, *, mask=None, causal=False, out=None, dtype=None, st
 
 
 @callsite.fast
+def cross_entropy(x, labels, *, ignore_index=-100, grad_scale=1.0, dtype=None, stream=None):
+    """(dx, loss) of softmax cross-entropy over x's last axis in one pass: dx = (softmax(x) -
+    onehot(labels)) * grad_scale (x's dtype, or ``dtype``), loss = logsumexp(x) - x[label] per row
+    (float32; PyTorch's reduction "none"; ``grad_scale=1 / n`` gives "mean"'s gradient). ``labels``:
+    int32 / int64, one a row; rows labelled ``ignore_index`` get zeros."""
+    return call("cross_entropy", {"x": x, "labels": labels}, {"ignore_index": ignore_index,
+                                                              "grad_scale": grad_scale}, dtype=dtype, stream=stream)
+
+
+@callsite.fast
 def softmax_backward(dy, y, axis=-1, *, dtype=None, stream=None):
     """dx = y * (dy - sum(dy * y)) from softmax's output y."""
     return call("softmax_backward", {"dy": dy, "y": y}, {"axis": axis}, dtype=dtype, stream=stream)

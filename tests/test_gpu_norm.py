@@ -1,8 +1,8 @@
 """Norm family on the GPU against float64 NumPy: layer / RMS norm and softmax / log-softmax,
 forward and backward, every dtype, outputs poisoned (NaN) first, at the benchmark shapes and odd
-ones (rows of 1, 7, 1000, 65537 elements; one row), every long-row strategy (persistent
-cluster, cluster, two passes), fused options (residual, epilogue, cast, mask, causal), strided
-views."""
+ones (rows of 1, 7, 1000, 65537 elements; one row; primes and vocabulary sizes, read as shifted
+16-byte vectors), every long-row strategy (persistent cluster, cluster, two passes), fused
+options (residual, epilogue, cast, mask, causal), strided views."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,6 +21,23 @@ DTYPES = ("float32", "float16", "bfloat16")
 # (rows, L): odd lengths and counts, one row, the benchmark classes (short, medium, long)
 SHAPES = [(1, 1), (7, 7), (3, 1000), (2, 65537), (1, 4096), (33, 4096), (1000, 128), (257, 100), (5, 16384),
           (2, 40000), (3, 262144)]
+
+# (rows, L): odd lengths, primes and vocabulary sizes (fewer rows as they grow); rows of each
+# start at every place within a vector
+ODD = [(5, 1), (9, 3), (33, 7), (17, 127), (9, 1021), (6, 4099), (3, 32000), (3, 50257), (2, 128256)]
+
+
+def targets(L: int):
+    """The portable plan, and the device's where it differs (long rows: a persistent cluster)."""
+    return (None, arch()) if L > 16384 else (None,)
+
+
+def shifted(plan, L: int) -> None:
+    """Rows of odd length read 16-byte vectors (shifted), not elements one at a time."""
+    for launch in plan.launches:
+        spec = launch.spec
+        if isinstance(spec, norm.RowSpec):
+            assert spec.vec > 1 and spec.shift == (L % spec.vec != 0), spec.uri
 
 
 def arch() -> str:
@@ -68,16 +85,20 @@ def layer_norm_with_stats(xs, gs, bs, dtype, target):
     return plan
 
 
-@pytest.mark.parametrize("rows,L", SHAPES)
+def norm_inputs(rows: int, L: int, dtype: str):
+    """x, gamma, beta: (device, float64) pairs."""
+    return random((rows, L), dtype), uniform((L,), dtype, 0.5, 1.5), uniform((L,), dtype, -0.5, 0.5)
+
+
+@pytest.mark.parametrize("rows,L", SHAPES + ODD)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_and_rms_norm(rows, L, dtype):
-    x, x64 = random((rows, L), dtype)
-    g, g64 = uniform((L,), dtype, 0.5, 1.5)
-    b, b64 = uniform((L,), dtype, -0.5, 0.5)
-    for target in (None, arch()) if L > 32768 else (None,):
-        layer_norm_with_stats((x, x64), (g, g64), (b, b64), dtype, target)
+    (x, x64), (g, g64), (b, b64) = norm_inputs(rows, L, dtype)
+    for target in targets(L):
+        shifted(layer_norm_with_stats((x, x64), (g, g64), (b, b64), dtype, target), L)
         y = poisoned((rows, L), dtype)
         plan = norm.plan_rms_norm(operand(x), 1, gamma=operand(g), eps=1e-6, arch=target)
+        shifted(plan, L)
         run(plan, y=y, x=x, gamma=g)
         check(y, ref.rms_norm(x64, g64, eps=1e-6), dtype, f"rms_norm {rows}x{L} {plan.launches[0].spec.uri}")
         y = poisoned((rows, L), dtype)
@@ -211,7 +232,7 @@ def test_softmax_along_inner_axes(shape, axis, dtype):
 
 # -- backward ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("rows,L", SHAPES + ODD)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_backward(rows, L, dtype):
     import cupy
@@ -223,6 +244,7 @@ def test_norm_backward(rows, L, dtype):
     dx, dgamma, dbeta = poisoned((rows, L), dtype), poisoned((L,), dtype), poisoned((L,), dtype)
     plan = norm.plan_layer_norm_backward(operand(dy), operand(x), 1, mean=operand(mean), rstd=operand(rstd),
                                          gamma=operand(g), beta=operand(g))
+    shifted(plan, L)
     tensors = dict(dx=dx, dy=dy, x=x, mean=mean, rstd=rstd, gamma=g, dgamma=dgamma, dbeta=dbeta)
     run(plan, **tensors)
     want_dx, want_dg, want_db = ref.layer_norm_backward(dy64, x64, mean64, rstd64, g64, g64)
@@ -248,7 +270,7 @@ def test_norm_backward(rows, L, dtype):
                  "layer_norm backward without affine")
 
 
-@pytest.mark.parametrize("rows,L", SHAPES)
+@pytest.mark.parametrize("rows,L", SHAPES + ODD)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_backward(rows, L, dtype):
     x, x64 = random((rows, L), dtype, -8.0, 8.0)
@@ -259,6 +281,7 @@ def test_softmax_backward(rows, L, dtype):
         y64 = y.get().astype(np.float64)
         dx = poisoned((rows, L), dtype)
         plan = norm.plan_softmax_backward(operand(dy), operand(y), -1, log=log)
+        shifted(plan, L)
         run(plan, dx=dx, dy=dy, y=y)
         backward = ref.log_softmax_backward if log else ref.softmax_backward
         check_scaled(dx, backward(dy64, y64), dtype, f"{'log_' if log else ''}softmax backward {rows}x{L} "
@@ -286,9 +309,12 @@ def test_more_than_2_pow_31_elements():
 
 # -- long rows on sm_90: the persistent cluster (bulk copies into shared memory) ---------------------
 
-# Whole 16-byte vectors persist; odd lengths (262151, 100003) take the other paths. 256 rows: 16
-# rows per cluster, both stages and both pushed-statistics slots cycle many times.
-LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144)]
+# 16-bit rows persist up to 8 blocks of 32768 elements, odd lengths too (100003: shifted vectors);
+# 262151 is past that reach. 256 rows: 16 rows per cluster, both stages and both pushed-statistics
+# slots cycle many times. Clusters between the powers of two: 151936 16-bit (5 blocks), 40000 and
+# 100003 float32 (3 and 7).
+LONG = [(1, 262144), (3, 262144), (5, 131072), (2, 40000), (2, 262151), (1, 100003), (256, 262144),
+        (70, 151936)]
 
 
 def sm90():
@@ -297,11 +323,12 @@ def sm90():
     return arch()
 
 
-def persists(plan, dtype: str, L: int) -> bool:
-    """Whether the heuristic took the persistent cluster, checked where it must: 16-bit rows of
-    whole vectors up to 8 blocks of 32768 elements."""
+def persists(plan, dtype: str, L: int, shift: bool = True) -> bool:
+    """Whether the heuristic took the persistent cluster, checked where it must: 16-bit rows up
+    to 8 blocks of 32768 elements (a shifted row spans up to (L + 7) / 8 vectors; ``shift``:
+    whether the plan's operands let rows of odd length shift)."""
     split = plan.launches[0].spec.split
-    if dtype != "float32" and L % 8 == 0 and L <= 262144:
+    if dtype != "float32" and (shift or L % 8 == 0) and -(-(L + (7 if L % 8 else 0)) // 8) <= 32768:
         assert split == "persist", plan.launches[0].spec.uri
     return split == "persist"
 
@@ -348,7 +375,7 @@ def test_long_rows_softmax(rows, L, dtype):
     mask, mask64 = random((L,), dtype, -2.0, 2.0)  # one mask row for every row: staged again each row
     y = poisoned((rows, L), dtype)
     plan = norm.plan_softmax(operand(x), -1, mask=operand(mask), causal=True, arch=target)
-    persists(plan, dtype, L)
+    persists(plan, dtype, L, shift=False)  # an odd row starts where the mask's does only in row 0
     run(plan, y=y, x=x, mask=mask)
     check(y, ref.softmax(x64, mask=mask64, causal=True), dtype, f"softmax mask + causal {rows}x{L}")
 
@@ -398,3 +425,89 @@ def test_persistent_grid_is_what_the_device_holds():
         assert grid == (min(launch.grid[0], active * tile.cluster), 1, 1), (tile.uri, grid, active)
         if name == "NVIDIA H200":
             assert active == norm.PERSIST_CLUSTERS[tile.cluster], (tile.uri, active)
+
+
+# -- rows of any length: aligned 16-byte vectors clipped to rows that start anywhere ----------------
+
+@pytest.mark.parametrize("rows,L", ODD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_norms_with_residual(rows, L, dtype):
+    """h = x + residual written (clipped element stores at both ends of each row), gamma and beta
+    read element by element where a row's vectors straddle theirs, and an epilogue."""
+    (x, x64), (g, g64), (b, b64) = norm_inputs(rows, L, dtype)
+    r, r64 = random((rows, L), dtype)
+    h64 = (x64.astype(np.float32) + r64.astype(np.float32)).astype(dtypes.BY_NAME[dtype].np).astype(np.float64)
+    for target in targets(L):
+        y, h = poisoned((rows, L), dtype), poisoned((rows, L), dtype)
+        plan = norm.plan_layer_norm(operand(x), 1, gamma=operand(g), beta=operand(b), residual=operand(r),
+                                    write_sum=True, epilogue=[("relu", "")], params=(0.0, np.inf), arch=target)
+        shifted(plan, L)
+        run(plan, y=y, x=x, residual=r, h=h, gamma=g, beta=b)
+        what = f"relu(layer_norm(x + r)) {rows}x{L} {plan.launches[0].spec.uri}"
+        check(h, h64, dtype, what + " h")
+        check(y, ref.relu(ref.layer_norm(h64, g64, b64)), dtype, what)
+
+
+@pytest.mark.parametrize("rows,L", ODD)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_softmax(rows, L, dtype):
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    mask, mask64 = random((rows, L), dtype, -2.0, 2.0)
+    for target in targets(L):
+        for log in (False, True):
+            f = ref.log_softmax if log else ref.softmax
+            y = poisoned((rows, L), dtype)
+            plan = norm.plan_softmax(operand(x), -1, log=log, arch=target)
+            shifted(plan, L)
+            run(plan, y=y, x=x)
+            check(y, f(x64), dtype, f"{'log_' if log else ''}softmax {rows}x{L} {plan.launches[0].spec.uri}")
+            # x as (Sq, Sk) = (rows, L): causal, with a full additive mask
+            y = poisoned((rows, L), dtype)
+            plan = norm.plan_softmax(operand(x), -1, log=log, mask=operand(mask), causal=True, arch=target)
+            shifted(plan, L)
+            run(plan, y=y, x=x, mask=mask)
+            check(y, f(x64, mask=mask64, causal=True), dtype,
+                  f"{'log_' if log else ''}softmax mask + causal {rows}x{L} {plan.launches[0].spec.uri}")
+
+
+@pytest.mark.parametrize("rows,L", [(2000, 127), (3000, 7), (700, 1021), (300, 4099), (40, 50257)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_rows_norm_backward_over_many_rows(rows, L, dtype):
+    """More rows than row groups: each group walks rows a grid step apart, which start at the
+    same place in their vectors, so its dgamma / dbeta partials stay in the same registers (and,
+    several rows a block, meet in shared memory by column)."""
+    import cupy
+    x, x64 = random((rows, L), dtype)
+    dy, dy64 = random((rows, L), dtype)
+    g, g64 = uniform((L,), dtype, 0.5, 1.5)
+    _, rstd64 = ref.rms_norm(x64, eps=1e-6, return_stats=True)
+    rstd = cupy.asarray(rstd64.astype(np.float32))
+    dx, dgamma = poisoned((rows, L), dtype), poisoned((L,), dtype)
+    plan = norm.plan_rms_norm_backward(operand(dy), operand(x), 1, rstd=operand(rstd), gamma=operand(g))
+    shifted(plan, L)
+    run(plan, dx=dx, dy=dy, x=x, rstd=rstd, gamma=g, dgamma=dgamma)
+    want_dx, want_dg = ref.rms_norm_backward(dy64, x64, rstd64, g64)
+    what = f"rms_norm backward {rows}x{L} {plan.launches[0].spec.uri} grid {plan.launches[0].grid}"
+    check_scaled(dx, want_dx, dtype, what + " dx")
+    check_scaled(dgamma, want_dg, dtype, what + " dgamma")
+
+
+@pytest.mark.parametrize("rows,L", ODD + [(1000, 128), (4, 262144)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy(rows, L, dtype):
+    """Loss and dlogits in one pass against float64, int64 and int32 labels, an ignored row."""
+    import cupy
+    x, x64 = random((rows, L), dtype, -8.0, 8.0)
+    for label_type in ("int64", "int32"):
+        picked = np.random.default_rng().integers(0, L, rows)
+        picked[rows // 2] = -100  # ignore_index
+        labels = cupy.asarray(picked.astype(label_type))
+        for target in targets(L):
+            dx, loss = poisoned((rows, L), dtype), poisoned((rows,), "float32")
+            plan = norm.plan_cross_entropy(operand(x), operand(labels), grad_scale=0.5, arch=target)
+            shifted(plan, L)
+            run(plan, dx=dx, x=x, labels=labels, loss=loss)
+            want_dx, want_loss = ref.cross_entropy(x64, picked, grad_scale=0.5)
+            what = f"cross_entropy {rows}x{L} labels {label_type} {plan.launches[-1].spec.uri}"
+            check_scaled(dx, want_dx, dtype, what + " dx")
+            check_scaled(loss, want_loss, "float32", what + " loss")

@@ -323,13 +323,59 @@ def test_vectors_follow_alignment_length_and_strides():
     assert norm.plan_layer_norm(op("float16", 8, 4096, align=4), 1, gamma=gamma).launches[0].spec.vec == 2
     assert norm.plan_layer_norm(op("float16", 8, 4096), 1, gamma=gamma, out_align=2).launches[0].spec.vec == 1
     assert norm.plan_layer_norm(op("float16", 8, 4096), 1, out_dtype="float32").launches[0].spec.vec == 8
-    assert norm.plan_layer_norm(op("float16", 8, 12), 1).launches[0].spec.vec == 4
-    assert norm.plan_layer_norm(op("float16", 8, 7), 1).launches[0].spec.vec == 1
+    # rows of any length shift: 16-byte vectors, clipped to the row
+    for L in (1, 7, 12, 4099):
+        spec = norm.plan_layer_norm(op("float16", 8, L), 1, gamma=op("float16", L)).launches[0].spec
+        assert (spec.vec, spec.shift) == (8, True), L
+    assert not norm.plan_layer_norm(op("float16", 8, 4096), 1).launches[0].spec.shift
+    # every operand's row must start where the output's does within a vector: a row pitch that
+    # differs from L by an odd count reads element by element; by 4, four at a time, aligned
+    padded = Operand("bfloat16", (8, 50257), (50304, 1))
+    assert (norm.plan_softmax(padded, -1).launches[0].spec.vec, norm.plan_softmax(padded, -1).launches[0].spec.shift) \
+        == (1, False)
+    # a (Sq, Sk) mask broadcast over heads starts where x's rows do when Sq * Sk is a multiple of 8
+    spec = norm.plan_softmax(op("bfloat16", 2, 3, 100, 130), -1, mask=op("bfloat16", 100, 130)).launches[0].spec
+    assert (spec.vec, spec.shift) == (8, True)
+    # the backward norm keeps a thread's columns across rows: a row group's rows, a grid step
+    # apart, start at the same place in their vectors (the step is a multiple of the vector)
+    for rows, L in ((8, 4099), (5000, 4099), (3000, 1021), (40, 50257), (3, 50257)):
+        st = op("float32", rows)
+        for launch in norm.plan_layer_norm_backward(op("float16", rows, L), op("float16", rows, L), 1, mean=st,
+                                                    rstd=st, gamma=op("float16", L)).launches:
+            if isinstance(launch.spec, norm.NormBackwardSpec) and launch.spec.split != "stats":
+                spec = launch.spec
+                assert (spec.vec, spec.shift) == (8, True)
+                groups = launch.grid[0] // (1 if spec.split == "none" else _arg(launch, "n_chunks"))
+                assert groups * spec.rpb >= rows or groups * spec.rpb % 8 == 0, (rows, L, launch.grid)
     sliced = Operand("float16", (8, 4096), (4100, 1))  # rows of a wider tensor: 4100 is not a multiple of 8
     assert norm.plan_layer_norm(sliced, 1).launches[0].spec.vec == 4
     strided = Operand("float32", (8, 100), (1, 8))  # a transposed view: elements 8 apart
     spec = norm.plan_softmax(strided, -1).launches[0].spec
     assert (spec.vec, spec.access) == (1, "s")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_odd_rows_take_one_vectorized_kernel(dtype):
+    """Rows of any length run the single-pass kernels on 16-byte vectors: one launch up to a
+    block's reach (every arch), a block or a persistent cluster on sm_90 for vocabulary sizes."""
+    vec = 16 // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    for L in (1, 3, 7, 127, 1021, 4099, 8000):
+        x, g = op(dtype, 64, L), op(dtype, L)
+        for plan in (norm.plan_softmax(x, -1), norm.plan_softmax(x, -1, log=True), norm.plan_softmax_backward(x, x, -1),
+                     norm.plan_layer_norm(x, 1, gamma=g, beta=g), norm.plan_rms_norm(x, 1, gamma=g),
+                     norm.plan_rms_norm_backward(x, x, 1, rstd=op("float32", 64))):
+            (launch,) = plan.launches
+            assert (launch.spec.vec, launch.spec.shift, launch.spec.split) == (vec, L % vec != 0, "none"), \
+                (L, launch.spec.uri)
+    # float32 rows of 151936 pass 8 blocks of 16384 elements: two passes
+    for rows, L in ((4096, 50257), (8, 128256), (16, 32000), (2, 50257), (64, 100003)) + (
+            ((4, 151936),) if dtype != "float32" else ()):
+        x, g = op(dtype, rows, L), op(dtype, L)
+        for plan in (norm.plan_softmax(x, -1, arch="sm_90"), norm.plan_softmax(x, -1, log=True, arch="sm_90"),
+                     norm.plan_rms_norm(x, 1, gamma=g, arch="sm_90")):
+            (launch,) = plan.launches
+            assert launch.spec.split in ("none", "persist") and (launch.spec.vec, launch.spec.shift) == (
+                vec, L % vec != 0), (rows, L, launch.spec.uri)
 
 
 def test_lead_dims_coalesce_per_operand():
@@ -414,8 +460,9 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
     """How often each (row, vector) is handled by the output pass of a row launch (numpy emulation
     of templates/norm/rows.cu.j2 locate() and the backward loop)."""
     spec = launch.spec
-    nvecs = L // spec.vec
-    count = np.zeros((rows, nvecs), dtype=np.int64)
+    shift = np.arange(rows) * L % spec.vec if spec.shift else np.zeros(rows, dtype=np.int64)
+    nvr = (shift + L + spec.vec - 1) // spec.vec if spec.shift else np.full(rows, L // spec.vec)
+    count = np.zeros((rows, L), dtype=np.int64)
     blocks, threads = np.meshgrid(np.arange(launch.grid[0]), np.arange(launch.block[0]), indexing="ij")
     assert launch.block[0] == spec.block
     if spec.split == "none":
@@ -433,13 +480,18 @@ def _cover(launch, rows: int, L: int) -> np.ndarray:
         r = first + r0
         for k in range(spec.nv):
             q = q0 + k * spec.tpr
-            keep = (r < rows) & (q < nvecs)
-            np.add.at(count, (r[keep], q[keep]), 1)
+            keep = r < rows
+            keep[keep] &= q[keep] < nvr[r[keep]]
+            for j in range(spec.vec):  # vector q holds row elements q * vec - shift .. + vec - 1
+                e = q[keep] * spec.vec - shift[r[keep]] + j
+                inside = (e >= 0) & (e < L)
+                np.add.at(count, (r[keep][inside], e[inside]), 1)
     return count
 
 
 @pytest.mark.parametrize("rows,L", [(1, 1), (7, 1), (3, 7), (1000, 7), (5, 1000), (2, 65537), (9, 4096), (65, 128),
-                                    (3, 262144), (2, 40000), (300, 65536)])
+                                    (3, 262144), (2, 40000), (300, 65536), (9, 4099), (5, 50257), (3, 127),
+                                    (40, 3), (70, 151936)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_element_is_covered_once(rows, L, dtype):
     x, g, st = op(dtype, rows, L), op(dtype, L), op("float32", rows)
@@ -453,7 +505,7 @@ def test_every_element_is_covered_once(rows, L, dtype):
                 assert launch.grid[0] * norm.WGRAD_COLUMNS >= L
                 continue
             if launch.spec.split in ("none", "cluster", "persist"):
-                assert launch.spec.capacity >= L
+                assert launch.spec.capacity >= L + (launch.spec.vec - 1 if launch.spec.shift else 0)
             count = _cover(launch, rows, L)
             assert (count == 1).all(), f"{launch.spec.uri}: counts {np.unique(count)}"
 
@@ -506,7 +558,7 @@ def warmed(tmp_path_factory):
 
 def test_preset_covers_every_op_dtype_and_strategy():
     specs = norm.preset()
-    assert 100 <= len(specs) <= 300
+    assert 100 <= len(specs) <= 400
     assert {s.family for s in specs} == {"norm", "norm_bwd", "norm_wgrad", "softmax", "softmax_bwd", "softmax_cols"}
     rows = [s for s in specs if isinstance(s, norm.RowSpec)]
     assert {s.split for s in rows} == {"none", "cluster", "persist", "stats", "apply"}
@@ -515,6 +567,8 @@ def test_preset_covers_every_op_dtype_and_strategy():
     assert any(s.epilogue for s in rows if isinstance(s, norm.NormSpec))
     assert any(s.mask for s in rows if isinstance(s, norm.SoftmaxSpec))
     assert any(s.causal for s in rows if isinstance(s, norm.SoftmaxSpec))
+    assert any(s.labels and s.shift for s in rows if isinstance(s, norm.SoftmaxSpec))
+    assert {s.cluster for s in rows if s.split == "persist"} >= {2, 4, 5, 8}
     assert any(s.rpb > 1 for s in rows) and any(s.tpr == 1024 for s in rows)
 
 
@@ -547,7 +601,8 @@ def sass(warmed, tmp_path_factory):
         f = e.meta["spec"]["fields"]
         if f.get("vec") != 8 or "bf16" not in uri or f.get("split") == "stats":
             continue
-        picks.setdefault((e.meta["family"], f.get("split"), arch), e)
+        # rows that start anywhere (shift) too: their body vectors must stay 128-bit accesses
+        picks.setdefault((e.meta["family"], f.get("split"), f.get("shift"), arch), e)
 
     def dump(e):
         path = folder / f"{e.key}.cubin"
@@ -562,6 +617,8 @@ def sass(warmed, tmp_path_factory):
 def test_main_kernels_use_128_bit_loads_and_stores(sass):
     families = {uri.split("/")[0] for uri, _ in sass}
     assert families >= {"norm", "norm_bwd", "softmax", "softmax_bwd", "softmax_cols"}
+    shifted = {uri.split("/")[0] + (".ps" if ".ps" in uri else "") for uri, _ in sass if uri.endswith(".shift")}
+    assert shifted >= {"norm", "norm.ps", "softmax", "softmax.ps", "softmax_bwd"}
     for (uri, arch), text in sass.items():
         load = "LDS.128" if ".ps" in uri else "LDG.E.128"  # persistent: rows land in shared memory
         assert load in text, f"{uri} [{arch}]: no 128-bit {load}"
@@ -600,3 +657,50 @@ def test_row_kernels_launch_as_dependent_grids_and_wait_first(sass):
             check_dependent_wait(text, arch, uri)
         else:
             assert "ACQBULK" not in text, uri
+
+
+# -- softmax cross-entropy ------------------------------------------------------------------------------
+
+def test_cross_entropy_reference_matches_a_per_row_loop():
+    x, labels = RNG.normal(size=(2, 3, 11)), np.array([[4, -100, 10], [0, 11, 3]])
+    dx, loss = ref.cross_entropy(x, labels, grad_scale=0.5)
+    for i, j in np.ndindex(2, 3):
+        row, c = x[i, j], labels[i, j]
+        p = np.exp(row) / np.exp(row).sum()
+        if c == -100:
+            assert loss[i, j] == 0 and not dx[i, j].any()
+            continue
+        want = math.log(np.exp(row).sum()) - row[c] if 0 <= c < 11 else np.nan
+        np.testing.assert_allclose(loss[i, j], want, rtol=1e-12)  # a label past the classes: NaN
+        np.testing.assert_allclose(dx[i, j], (p - (np.arange(11) == c)) * 0.5, rtol=1e-12, atol=1e-15)
+
+
+def test_cross_entropy_plans_one_pass_and_shares_the_softmax_statistics():
+    x, labels = op("bfloat16", 4096, 50257), op("int64", 4096)
+    (launch,) = norm.plan_cross_entropy(x, labels, arch="sm_90").launches
+    assert launch.spec.split == "persist" and launch.spec.shift and launch.pointers == ("dx", "x", "labels", "loss")
+    stats, apply = norm.plan_cross_entropy(x, labels).launches  # any arch: two passes, the first softmax's own
+    assert stats.spec == norm.plan_softmax(x, -1).launches[0].spec and apply.spec.labels == "int64"
+    assert norm.plan_cross_entropy(op("float32", 2, 3, 7), op("int32", 2, 3)).launches[0].spec.rpb > 1
+    for labels_, exc, text in ((op("float32", 4096), DTypeError, "class index"), (op("int64", 4095), ValidationError,
+                                                                                     "lead shape")):
+        with pytest.raises(exc) as info:
+            norm.plan_cross_entropy(x, labels_)
+        assert info.value.arg == "labels" and text in str(info.value)
+
+
+def test_cross_entropy_graph_runs_on_numpy():
+    import nvdnn
+    g = nvdnn.Graph(arch="sm_90")
+    x, labels = g.tensor(dims=[6, 1021], data_type="float32", name="x"), g.tensor(dims=[6], data_type="int64",
+                                                                                   name="labels")
+    dx, loss = g.cross_entropy(x, labels, ignore_index=-1, grad_scale=0.25)
+    dx.set_output(True), loss.set_output(True)
+    g.build()
+    assert loss.data_type == "float32" and loss.dims == (6,)
+    pack = {"x": RNG.normal(size=(6, 1021)).astype(np.float32), "labels": np.array([0, 5, -1, 1020, 7, 3]),
+            dx.name: np.zeros((6, 1021), np.float32), loss.name: np.zeros(6, np.float32)}
+    g.execute(pack, backend="numpy")
+    want_dx, want_loss = ref.cross_entropy(pack["x"], pack["labels"], ignore_index=-1, grad_scale=0.25)
+    np.testing.assert_allclose(pack[dx.name], want_dx, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(pack[loss.name], want_loss, rtol=1e-5)

@@ -200,6 +200,14 @@ def _along(x: str):
     return check
 
 
+def _labels(a, m):
+    """cross_entropy: x is (rows..., classes), labels one class index per row."""
+    dims = m["x"].dims
+    _need(len(dims) >= 2, "x", f"has dims {list(dims)}; needs (rows..., classes)")
+    _need(m["labels"].dims == dims[:-1], "labels", f"has dims {list(m['labels'].dims)}; needs {list(dims[:-1])}, "
+          "one class index per row of 'x'")
+
+
 def _pooled(a, m):
     """A pooling backward's dy has the forward's output dims."""
     want = _pool_infer(a, {"x": m["x"]})[0].dims
@@ -397,6 +405,15 @@ register(
                                                  normalized_ndim=a["normalized_ndim"]),
              epilogue=False, check=_rows(stats=("rstd",))),
     _softmax_row(False), _softmax_row(True), _softmax_backward_row(False), _softmax_backward_row(True),
+    AnchorOp("cross_entropy", "norm", ("x", "labels"), ("dx", "loss"),
+             (("ignore_index", -100, rules.integer(-2 ** 62)), ("grad_scale", 1.0, rules.real())),
+             lambda a, m: [_packed(m["x"].dims), _packed(m["x"].dims[:-1], "float32")],
+             lambda a, o, e: norm.plan_cross_entropy(o["x"], o["labels"], ignore_index=a["ignore_index"],
+                                                     grad_scale=a["grad_scale"], out_dtype=e.out_dtype,
+                                                     out_align=e.out_align, arch=e.arch, tile=e.tile),
+             lambda a, v: ref.cross_entropy(v["x"], v["labels"], ignore_index=a["ignore_index"],
+                                            grad_scale=a["grad_scale"]),
+             epilogue=False, data_types=norm.LABEL_DTYPES, check=_labels),
 )
 
 

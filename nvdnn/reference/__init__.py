@@ -7,8 +7,8 @@ and inf propagate as in PyTorch, except where an op defines otherwise (a fully m
 row gives zeros).
 """
 from .matmul import matmul, matmul_backward, matmul_chain
-from .norm import (causal_mask, layer_norm, layer_norm_backward, log_softmax, log_softmax_backward, rms_norm,
-                   rms_norm_backward, softmax, softmax_backward)
+from .norm import (causal_mask, cross_entropy, layer_norm, layer_norm_backward, log_softmax, log_softmax_backward,
+                   rms_norm, rms_norm_backward, softmax, softmax_backward)
 from .pointwise import (ACTIVATIONS, abs, activate, add, bias_act, cast, chain, div, elementwise, elu, exp, gelu,
                         identity, log, maximum, minimum, mul, neg, power, relu, rsqrt, scale, sigmoid, silu, softplus,
                         sqrt, sub, swish, tanh)

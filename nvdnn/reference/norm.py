@@ -112,6 +112,22 @@ def log_softmax(x, axis=-1, *, mask=None, causal=False):
         return np.where(masked, -np.inf, (t - m) - np.log(s))
 
 
+def cross_entropy(x, labels, *, ignore_index=-100, grad_scale=1.0):
+    """Softmax cross-entropy over the last axis (the classes): (dx, loss), dx = (softmax(x) -
+    onehot(labels)) * grad_scale, loss = logsumexp(x) - x[label] per row (PyTorch's reduction
+    "none"); both 0 where the label is ``ignore_index``; a label outside the classes: NaN loss."""
+    x, labels = _f64(x), np.asarray(labels).astype(np.int64)
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    s = e.sum(axis=-1, keepdims=True)
+    valid = (labels >= 0) & (labels < x.shape[-1])
+    picked = np.take_along_axis(x, np.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ignored = labels == ignore_index
+    loss = np.where(ignored, 0.0, np.where(valid, (m + np.log(s))[..., 0] - picked, np.nan))
+    onehot = np.arange(x.shape[-1]) == labels[..., None]
+    return np.where(ignored[..., None], 0.0, (e / s - onehot) * grad_scale), loss
+
+
 def softmax_backward(dy, y, axis=-1):
     """dx = y * (dy - sum(dy * y)) from softmax's output y."""
     dy, y = _f64(dy), _f64(y)

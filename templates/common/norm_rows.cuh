@@ -49,6 +49,65 @@ template <int N, typename T> __device__ __forceinline__ void store(T* p, const f
   }
 }
 
+// Rows that start anywhere ("shift"): a thread's vector holds row elements first .. first + N - 1,
+// first = q * N - (the row's offset in its first aligned vector), so every access stays an aligned
+// N-vector; the elements outside the row (neighbour rows, or bytes past the tensor within its last
+// 16-byte unit: never another page) are read but not used, and never written.
+__device__ __forceinline__ bool inside(int e, int L) { return (unsigned)e < (unsigned)L; }
+template <int N> __device__ __forceinline__ bool whole(int first, int L) { return first >= 0 && first + N <= L; }
+// Elements outside the row take `fill`, the identity of what the row's values feed.
+template <int N> __device__ __forceinline__ void clip(float (&v)[N], int first, int L, float fill) {
+  if (whole<N>(first, L)) return;
+#pragma unroll
+  for (int j = 0; j < N; ++j) if (!inside(first + j, L)) v[j] = fill;
+}
+// Row elements of `in` that lie inside the row: vector stores of up to 16 bytes, or one element
+// at a time. The vector stores are PTX: as C++, NVVM merges them with the element stores (the
+// same addresses) into stores of one element's alignment.
+template <int N, typename T> __device__ __forceinline__ void store_clipped(T* row, int first, int L,
+                                                                         const float (&in)[N]) {
+  if (whole<N>(first, L)) {
+    constexpr int PIECE = sizeof(T) * N > 16 ? 16 / sizeof(T) : N;
+    Vec<T, N> v;
+#pragma unroll
+    for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(in[j]);
+#pragma unroll
+    for (int c = 0; c < N; c += PIECE) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(&v.v[c]);
+      if constexpr (sizeof(T) * PIECE == 16) {
+        asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };"
+                     :: "l"(row + first + c), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+      } else if constexpr (sizeof(T) * PIECE == 8) {
+        asm volatile("st.global.v2.b32 [%0], { %1, %2 };" :: "l"(row + first + c), "r"(w[0]), "r"(w[1]) : "memory");
+      } else {  // 4 bytes: merged or not, as wide as the vector
+        Vec<T, PIECE> piece;
+#pragma unroll
+        for (int j = 0; j < PIECE; ++j) piece.v[j] = v.v[c + j];
+        store_vec<PIECE>(row + first + c, piece);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) if (inside(first + j, L)) row[first + j] = from_float<T>(in[j]);
+}
+// Columns first .. first + N - 1 of a per-column operand (gamma, beta: L elements from an
+// aligned start): one vector where they are a whole aligned one, else element by element (0
+// outside the row).
+template <int N, typename T> __device__ __forceinline__ void load_columns(float (&out)[N], const T* col, int first,
+                                                                         int L) {
+  if (first % N == 0 && whole<N>(first, L)) {
+    load<N>(out, col + first);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = inside(first + j, L) ? to_float(col[first + j]) : 0.0f;
+}
+// Elements of the row among first .. first + n - 1.
+__device__ __forceinline__ int count_inside(int first, int n, int L) {
+  return max(0, min(L, first + n) - max(0, first));
+}
+
 template <int K> struct Stat { float v[K]; };
 
 // The combines a warp uses are symmetric, bit for bit (products kept apart with __fmul_rn, so

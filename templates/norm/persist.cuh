@@ -1,4 +1,4 @@
-// Split "persist" (kernels/norm.py): the blocks of a cluster combine one row's statistics after
+// Split "persist" (kernels/norm/): the blocks of a cluster combine one row's statistics after
 // another without a cluster barrier (its release would wait for every store the block has in
 // flight): each block pushes its statistics into every block's shared memory and waits on its
 // own mbarrier for the cluster's pushes.
