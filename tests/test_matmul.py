@@ -372,20 +372,25 @@ def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
         pytest.skip("cuobjdump not found")
     seen = set()
     for (uri, arch), e in sorted(warmed["entries"].items()):
-        if e.meta["family"] != "matmul":
+        if e.meta["family"] not in ("matmul", "matmul_skinny"):
             continue
         path = tmp_path / f"{e.key}.cubin"
         path.write_bytes(e.cubin)
         sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
         assert " STL" not in sass and " LDL" not in sass, f"{uri} [{arch}] uses local memory"
         fields = e.meta["spec"]["fields"]
-        if fields["kernel"] == "wgmma":
+        if e.meta["family"] == "matmul_skinny":
+            # decode rows (16-bit too) run the memory-bound skinny GEMV, float32 FMA, no tensor
+            # cores: what it must show is the weight streamed in 16-byte loads
+            assert "GMMA" not in sass and "LDG.E.128" in sass, f"{uri} [{arch}]: no 16-byte weight loads"
+            seen.add("skinny")
+        elif fields["kernel"] == "wgmma":
             want = "QGMMA" if fields["a_dtype"].startswith("float8") else "HGMMA"
             assert want in sass and "UTMALDG" in sass, f"{uri}: no {want} / TMA load"
             seen.add(want)
         elif fields["kernel"] == "mma":
             assert "HMMA" in sass and ("LDSM" in sass or fields["precision"] == "tf32"), uri
-    assert seen == {"HGMMA", "QGMMA"}
+    assert seen == {"HGMMA", "QGMMA", "skinny"}
 
 
 def test_graph_takes_fp8_operands_with_their_scales():

@@ -65,7 +65,7 @@ class SkinnySpec(KernelSpec):
         one_of(self.rows, heuristic.SKINNY_ROWS, "rows")
         per = 16 // _size(self.a_dtype)
         one_of(self.vec, tuple(v for v in (1, 2, 4, 8, 16) if v <= per), "vec")
-        one_of(self.a_vec, tuple(v for v in (1, 2, 4, 8, 16) if v <= self.group), "a_vec")
+        one_of(self.a_vec, tuple(v for v in (1, 2, 4, 8, 16) if v <= min(self.group, per)), "a_vec")
         one_of(self.threads, (128, 256), "threads")
         if self.b_major == "n":
             one_of((self.cols, self.unroll), ((1, 1),), "cols")
@@ -78,9 +78,9 @@ class SkinnySpec(KernelSpec):
 
     @property
     def group(self) -> int:
-        """K values of A a load run covers: B's vector (K-major); N-major, the rows of B a warp has in
-        flight (16 bytes of A's K, at most 8 rows: fp8's 16 held 255 registers and spilled)."""
-        return self.vec if self.b_major == "k" else min(16 // _size(self.a_dtype), 8)
+        """K values of A a load run covers: B's vector (K-major); N-major, the 8 rows of B a lane has
+        in flight (fp8's 16 held 255 registers and spilled; float32's 4 left half the bytes in flight)."""
+        return self.vec if self.b_major == "k" else 8
 
     @property
     def block_cols(self) -> int:
@@ -146,9 +146,8 @@ def plan_skinny(req, geo, a_info, b_info, bstride: dict, out_strides, r_strides,
         vec = _vec(width, b_align, k, b_sn)
     else:
         vec = _vec(width, b_align, n, b_sk)
-    group = vec if b_major == "k" else min(16 // width, 8)
-    a_vec = _vec(width, a_align, k, a_row) if a_sk == 1 else 1
-    a_vec = min(a_vec, group)
+    group = vec if b_major == "k" else 8
+    a_vec = min(_vec(width, a_align, k, a_row) if a_sk == 1 else 1, group)
     tiles = heuristic.skinny_tile(rows, b_major, vec)
     if tile is not None:
         tiles = {f: getattr(tile, f) for f in SkinnySpec.tile_fields}
