@@ -238,3 +238,22 @@ def test_sass_streams_the_weight_in_16_byte_loads(compiled):
             assert any(".NA." in w and ".LTC" in w for w in wide), (spec.uri, arch)
         else:
             assert not any(".NA." in w for w in wide), (spec.uri, arch)
+
+
+def test_gpu_cases_plan_the_skinny_kernel():
+    """Each case of test_gpu_matmul_skinny.py runs the skinny kernel (else it tests nothing new);
+    together they hold every row count, both layouts, every input type, K = 1 and prime sizes."""
+    from .test_gpu_matmul import case_plans
+    from .test_gpu_matmul_skinny import CASES, RELAUNCH_CASES
+    assert 100 <= len(CASES) <= 300
+    seen = set()
+    for case in CASES + RELAUNCH_CASES:
+        plan = case_plans(case)
+        launch = skinny(plan)
+        assert launch is not None and launch is plan.launches[-1], (case, [l.spec.uri for l in plan.launches])
+        seen.add((case["dtype"], case.get("precision", ""), case["b_major"], case["m"]))
+        if case.get("split_k"):
+            assert launch.grid[1] == case["split_k"]
+    assert {m for *_, m in seen} == {1, 2, 3, 5, 7, 8}
+    assert {(d, b) for d, _, b, _ in seen} >= {(d, b) for d in mm.IN_DTYPES for b in ("k", "n")}
+    assert {1, 4093} <= {c["k"] for c in CASES} and {7, 4093} <= {c["n"] for c in CASES}
