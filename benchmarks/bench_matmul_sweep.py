@@ -78,7 +78,9 @@ SHAPES = [
     *_lin("bert_large", "up", 4096, 1024, (2048,)), *_lin("bert_large", "down", 1024, 4096, (2048,)),
     *_lin("bert_large", "o", 1024, 1024, (512,)),
     # decode: a few rows against a large weight (memory-bound: TB/s)
-    *_lin("llama7b", "up", 11008, 4096, (1,), quick=(1,)), *_lin("llama7b", "o", 4096, 4096, (8,)),
+    *_lin("llama7b", "up", 11008, 4096, (1,), quick=(1,)), *_lin("llama7b", "o", 4096, 4096, (1, 8)),
+    *_lin("llama7b", "lm_head", 32000, 4096, (1,)), *_lin("llama8b", "down", 4096, 14336, (8,)),
+    *_lin("mixtral", "expert_up", 14336, 4096, (4,)),
     *_lin("llama8b", "gate_up", 28672, 4096, (16,)), *_lin("llama8b", "lm_head", 128256, 4096, (1,)),
     *_lin("llama70b", "down", 8192, 28672, (32,), quick=(32,)), *_lin("llama70b", "qkv", 10240, 8192, (64,)),
     # attention per head: scores q @ k^T (S x D @ D x S) and p @ v (S x S @ S x D)
@@ -182,7 +184,7 @@ def plan(row: Row, sms=132, arch="sm_90"):
 
 
 def kernel_uri(p) -> str:
-    spec = [launch.spec for launch in p.launches if isinstance(launch.spec, mm.MatmulSpec)][0]
+    spec = [launch.spec for launch in p.launches if isinstance(launch.spec, (mm.MatmulSpec, mm.SkinnySpec))][0]
     return spec.uri + (f" +{len(p.launches) - 1} launch" if len(p.launches) > 1 else "")
 
 
@@ -194,7 +196,8 @@ def plans(sms=132, arch="sm_90", quick=False) -> list:
 # -- GPU time estimate (no GPU): the measurement's call counts over a roofline of each library ------
 
 NV_TFLOPS = {"wgmma": {"bf16": 550, "fp16": 550, "tf32": 280, "fp8": 900}, "mma": {"bf16": 180, "fp16": 180,
-             "tf32": 90}, "simt": {"fp32": 13}}
+             "tf32": 90}, "simt": {"fp32": 13},
+             "skinny": {"bf16": 50, "fp16": 50, "tf32": 50, "fp32": 50, "fp8": 50}}   # float32 FMA, memory bound
 TORCH_TFLOPS = {"bf16": 650, "fp16": 650, "tf32": 330, "fp32": 48, "fp8": 1100}
 WARMUP, TRIALS, TRIAL_MS, MAX_ITERS, CALL_MS, SPIN_MS, HOST_MS = 3, 5, 5.0, 60, 20.0, 3.0, 0.04  # common._spin: 3 ms
 

@@ -63,7 +63,7 @@ def test_every_row_plans_deviceless_for_sm90(sweep):
     assert len(planned) == len(sweep.rows())
     for row, plan in planned:
         specs = [launch.spec for launch in plan.launches]
-        assert any(isinstance(s, mm.MatmulSpec) for s in specs), row.name
+        assert any(isinstance(s, (mm.MatmulSpec, mm.SkinnySpec)) for s in specs), row.name
         assert all(mm.unsupported_reason(s, "sm_90") is None for s in specs), row.name
         assert sweep.kernel_uri(plan).startswith("matmul/")
 

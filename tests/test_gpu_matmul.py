@@ -78,28 +78,29 @@ def _cases():
 
 # split-K finished inside the Hopper GEMM (the last split of a tile sums the partials): odd M, N,
 # prime K (repacked), K past a multiple of 64 (the last slice zero-filled), batches, every epilogue
-# (``splitk`` only names them: -k splitk)
+# (``splitk`` only names them: -k splitk); 9 rows and more: 8 or fewer run the skinny kernel
+# (heuristic.skinny_rows; its own cases: test_gpu_matmul_skinny.py)
 SPLIT_CASES = [
-    dict(splitk=1, dtype="bfloat16", m=1, n=4111, k=4093, a_major="k", b_major="k", epilogue="bias_gelu"),
-    dict(splitk=1, dtype="float16", m=7, n=1000, k=2056, a_major="k", b_major="k", epilogue="rowbias_relu", amax=True),
-    dict(splitk=1, dtype="bfloat16", m=3, n=2056, k=8200, a_major="k", b_major="n", epilogue="residual_silu"),
+    dict(splitk=1, dtype="bfloat16", m=9, n=4111, k=4093, a_major="k", b_major="k", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="float16", m=15, n=1000, k=2056, a_major="k", b_major="k", epilogue="rowbias_relu", amax=True),
+    dict(splitk=1, dtype="bfloat16", m=11, n=2056, k=8200, a_major="k", b_major="n", epilogue="residual_silu"),
     dict(splitk=1, dtype="float16", m=13, n=3072, k=768, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
     dict(splitk=1, dtype="bfloat16", m=64, n=129, k=4104, a_major="k", b_major="k",
          epilogue="plain", amax=True, batch="a"),
-    dict(splitk=1, dtype="float16", m=5, n=4099, k=3001, a_major="m", b_major="n", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="float16", m=13, n=4099, k=3001, a_major="m", b_major="n", epilogue="bias_gelu"),
     dict(splitk=1, dtype="bfloat16", m=33, n=520, k=2048, a_major="k", b_major="k",
          epilogue="residual_silu", batch="b"),
     dict(splitk=1, dtype="float16", m=256, n=1000, k=2048, a_major="k", b_major="k",
          epilogue="residual_silu", amax=True),
-    dict(splitk=1, dtype="bfloat16", m=7, n=1029, k=4096, a_major="k", b_major="k",
+    dict(splitk=1, dtype="bfloat16", m=15, n=1029, k=4096, a_major="k", b_major="k",
          epilogue="gelu_tanh_f32", amax=True),
-    dict(splitk=1, dtype="float8_e4m3", m=1, n=1000, k=4096, a_major="k", b_major="k", epilogue="bias_gelu",
+    dict(splitk=1, dtype="float8_e4m3", m=9, n=1000, k=4096, a_major="k", b_major="k", epilogue="bias_gelu",
          out="float8_e4m3", amax=True),
-    dict(splitk=1, dtype="float8_e4m3", b_dtype="float8_e5m2", m=7, n=1029, k=4160, a_major="k", b_major="k",
+    dict(splitk=1, dtype="float8_e4m3", b_dtype="float8_e5m2", m=15, n=1029, k=4160, a_major="k", b_major="k",
          epilogue="rowbias_relu", out="bfloat16", amax=True),
-    dict(splitk=1, dtype="float32", precision="tf32", m=7, n=3072, k=768, a_major="k", b_major="k",
+    dict(splitk=1, dtype="float32", precision="tf32", m=15, n=3072, k=768, a_major="k", b_major="k",
          epilogue="bias_gelu"),
-    dict(splitk=1, dtype="float32", precision="exact", m=1, n=4099, k=4096, a_major="k", b_major="k",
+    dict(splitk=1, dtype="float32", precision="exact", m=9, n=4099, k=4096, a_major="k", b_major="k",
          epilogue="residual_silu"),
 ]
 
@@ -379,7 +380,7 @@ def test_every_tile_candidate(case):
         "\n".join(failures)
 
 
-RELAUNCH_CASES = [dict(dtype="bfloat16", m=7, n=1029, k=k, a_major="k", b_major="k", epilogue="bias_gelu")
+RELAUNCH_CASES = [dict(dtype="bfloat16", m=9, n=1029, k=k, a_major="k", b_major="k", epilogue="bias_gelu")
                   for k in (4096, 8200, 2056)]   # one split-K kernel, three split counts
 
 

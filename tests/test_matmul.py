@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 
 import numpy as np
@@ -209,8 +210,9 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
     chunk = int(gemm.args[14])   # after the two maps, ten sizes and strides, two batch multipliers
     assert splits > 1 and chunk % spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
     assert gemm.grid[0] <= 132
-    # fp8 splits too (the scales are the epilogue's), its amax zeroed first
-    plan = mm.plan_matmul(op("float8_e4m3", (1, 4096)), weight("float8_e4m3", 4096, 11008), amax=True,
+    # fp8 splits too (the scales are the epilogue's), its amax zeroed first (8 rows: past the
+    # skinny kernel's fp8 rows, heuristic.skinny_rows)
+    plan = mm.plan_matmul(op("float8_e4m3", (8, 4096)), weight("float8_e4m3", 4096, 11008), amax=True,
                           out_dtype="float8_e4m3", arch="sm_90", sms=132)
     zero, gemm = plan.launches
     assert isinstance(zero.spec, mm.MatmulZeroSpec) and gemm.spec.finish and gemm.spec.scaled
@@ -218,8 +220,9 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
 
 
 # (M, N, K) -> (tile bm x bn, splits) on 132 SMs: tiles x splits in whole waves, >= 4 K slices a split
-DECODE_PLANS = {(1, 11008, 4096): ((64, 128), 3), (16, 28672, 4096): ((64, 256), 1),
-                (64, 10240, 8192): ((64, 128), 3), (1, 128256, 4096): ((64, 256), 1),
+# (9 rows: 8 or fewer run the skinny kernel, test_matmul_skinny.py)
+DECODE_PLANS = {(9, 11008, 4096): ((64, 128), 3), (16, 28672, 4096): ((64, 256), 1),
+                (64, 10240, 8192): ((64, 128), 3), (9, 128256, 4096): ((64, 256), 1),
                 (32, 1000, 2048): ((64, 128), 8), (256, 1000, 2048): ((64, 64), 2),
                 (16, 3072, 768): ((64, 128), 3)}
 
@@ -262,7 +265,7 @@ def test_split_k_past_the_grid_counters_takes_two_launches():
 
 
 def test_split_finish_specs_validate():
-    plan = mm.plan_matmul(op("bfloat16", (1, 4096)), weight("bfloat16", 4096, 11008), arch="sm_90", sms=132)
+    plan = mm.plan_matmul(op("bfloat16", (9, 4096)), weight("bfloat16", 4096, 11008), arch="sm_90", sms=132)
     spec = plan.launches[0].spec
     assert spec.finish
     with pytest.raises(ValidationError) as info:
@@ -285,15 +288,15 @@ def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, prec
     """A skinny product of a prime K (rows no tensor map reads) or exact float32 (3xTF32):
     repacked operands and the split-K partials each name their own buffer; the GEMM finishes
     its splits itself."""
-    plan = mm.plan_matmul(op(dtype, (7, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90",
-                          sms=132)
+    plan = mm.plan_matmul(op(dtype, (9, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90",
+                          sms=132)   # 9 rows: 8 or fewer run the skinny kernel
     repacks = [l for l in plan.launches if isinstance(l.spec, RepackSpec)]
     (gemm,) = [l for l in plan.launches if not isinstance(l.spec, RepackSpec)]
     assert gemm.spec.finish and len(plan.launches) == 3
     copies = [l.pointers[0] for l in repacks]
     assert len(copies) == 2 and gemm.pointers[1:3] == tuple(copies)
     assert gemm.pointers[-1] == f"scratch{len(copies)}" and len(plan.scratch) == len(copies) + 1
-    assert _finish_splits(gemm, plan, 7, 4099) > 1
+    assert _finish_splits(gemm, plan, 9, 4099) > 1
     assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
                               arch="sm_80").launches) == 1
 
@@ -370,20 +373,26 @@ def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
         pytest.skip("cuobjdump not found")
     seen = set()
     for (uri, arch), e in sorted(warmed["entries"].items()):
-        if e.meta["family"] != "matmul":
+        if e.meta["family"] not in ("matmul", "matmul_skinny"):
             continue
         path = tmp_path / f"{e.key}.cubin"
         path.write_bytes(e.cubin)
         sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
         assert " STL" not in sass and " LDL" not in sass, f"{uri} [{arch}] uses local memory"
         fields = e.meta["spec"]["fields"]
-        if fields["kernel"] == "wgmma":
+        if e.meta["family"] == "matmul_skinny":
+            # decode rows (16-bit too) run the memory-bound skinny GEMV, float32 FMA, no tensor
+            # cores: what it must show is the weight streamed in 16-byte loads
+            assert "GMMA" not in sass and re.search(r"LDG\.E\.(?:[A-Z0-9]+\.)*128", sass), \
+                f"{uri} [{arch}]: no 16-byte weight loads"
+            seen.add("skinny")
+        elif fields["kernel"] == "wgmma":
             want = "QGMMA" if fields["a_dtype"].startswith("float8") else "HGMMA"
             assert want in sass and "UTMALDG" in sass, f"{uri}: no {want} / TMA load"
             seen.add(want)
         elif fields["kernel"] == "mma":
             assert "HMMA" in sass and ("LDSM" in sass or fields["precision"] == "tf32"), uri
-    assert seen == {"HGMMA", "QGMMA"}
+    assert seen == {"HGMMA", "QGMMA", "skinny"}
 
 
 def test_graph_takes_fp8_operands_with_their_scales():

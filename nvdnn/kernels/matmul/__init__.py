@@ -20,6 +20,9 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
   in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
 - ``simt`` (any arch): float32 FMA on any strides and data types; small exact fp32 and the fallback.
+- ``skinny`` (sm_80+, ``SkinnySpec``): decode rows (at most 8, batch folded in) against a weight
+  read once, a memory-bound float32-FMA GEMV over either B layout, split over K and finished in
+  its own launch (``skinny.py``; heuristic.skinny_rows says when).
 
 fp8 inputs are uint8 arrays with a declared type; their per-tensor descale factors (``scale_a``,
 ``scale_b``) and the fp8 output's scale (``scale_out``) are one-element float32 device tensors;
@@ -36,9 +39,10 @@ from .heuristic import split_count
 from .planning import Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
                     MatmulZeroSpec, check_operand_types, check_precision, unsupported_reason)
+from .skinny import SkinnySpec
 from .tune import candidates, layouts, preset
 
 __all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulDactSpec",
-           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "TensorMapArg", "batch_rule", "candidates",
+           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "SkinnySpec", "TensorMapArg", "batch_rule", "candidates",
            "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
            "plan_matmul_backward", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

@@ -97,3 +97,44 @@ def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_S
     if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
         return 1
     return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))
+
+
+# -- the skinny (decode) kernel --------------------------------------------------------------------
+# At most SKINNY_MAX_ROWS rows of A against a weight read once: 2 * rows / width flops a weight
+# byte, under the float32 FMA roofline of FMA_FLOPS_PER_BYTE (H200: 67 TFLOP/s over 4.8 TB/s), so
+# the weight read is the time and float32 FMA keeps up (fp8 at 8 rows: 16, past it: the tensor
+# cores). The kernel (kernels/matmul/skinny.py) holds its rows in registers in buckets of 1, 2, 4, 8.
+SKINNY_MAX_ROWS = 8
+SKINNY_ROWS = (1, 2, 4, 8)
+FMA_FLOPS_PER_BYTE = 14
+SKINNY_BLOCKS = 8            # blocks an SM the split aims at (all resident: bytes in flight, even shares)
+SKINNY_MAX_SPLITS = 64
+
+
+SKINNY_LANE_SUMS = 64       # N-major: float sums a lane holds (rows x 16 / width; fp8 at 8 rows spilled)
+
+
+def skinny_rows(rows: int, width: int, b_major: str) -> int:
+    """The row bucket of the skinny kernel for ``rows`` (batch folded in) rows of A of ``width``
+    bytes an element, or 0 when the product is not memory bound on float32 FMA (or, N-major,
+    the bucket's sums would not fit a lane's registers: fp8 past 4 rows)."""
+    if rows > SKINNY_MAX_ROWS or 2 * rows / width > FMA_FLOPS_PER_BYTE:
+        return 0
+    bucket = next(r for r in SKINNY_ROWS if r >= rows)
+    return 0 if b_major == "n" and bucket * 16 // width > SKINNY_LANE_SUMS else bucket
+
+
+def skinny_tile(rows: int, b_major: str, vec: int) -> dict:
+    """Columns a warp (K-major B: a lane holds cols x vec weights and cols x rows sums; fp8 at
+    4 x 16 held 239 registers) and K vectors in flight."""
+    if b_major == "n":
+        return dict(cols=1, threads=256, unroll=1)
+    return dict(cols=min(4, 32 // vec, 16 // rows), threads=256, unroll=2)
+
+
+def skinny_splits(blocks: int, k: int, min_chunk: int, sms: int = DEFAULT_SMS) -> int:
+    """K splits of a skinny launch of ``blocks`` column blocks: enough blocks for SKINNY_BLOCKS an
+    SM, each split at least ``min_chunk`` of K."""
+    if blocks >= SKINNY_BLOCKS * sms:
+        return 1
+    return max(1, min(-(-SKINNY_BLOCKS * sms // blocks), k // min_chunk, SKINNY_MAX_SPLITS))

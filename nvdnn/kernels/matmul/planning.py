@@ -16,6 +16,7 @@ from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
 from .heuristic import _heuristic_tile, split_count
+from .skinny import SkinnySpec, plan_skinny
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
                     MatmulSpec, MatmulZeroSpec, _epilogue_roles, _size, check_operand_types, check_precision)
 
@@ -265,6 +266,12 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
     sms = sms or _sm_count()
+    skinny = plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align), bstride,
+                         out_strides, r_strides, alpha, beta, params, tile, split_k, sms)
+    if skinny is not None:  # decode rows: the memory-bound GEMV (heuristic.skinny_rows)
+        return skinny
+    if isinstance(tile, SkinnySpec):
+        tile = None
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
     repacks, scratch = [], []

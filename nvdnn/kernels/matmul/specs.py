@@ -385,7 +385,7 @@ def unsupported_reason(spec, arch: str) -> str | None:
         return None
     if number < 80:
         return "matmul kernels need sm_80 or later (bfloat16, cp.async, mma.sync)"
-    fp8 = (isinstance(spec, MatmulSpec) and spec.a_dtype in FP8) or spec.out_dtype in FP8
+    fp8 = getattr(spec, "a_dtype", "") in FP8 or spec.out_dtype in FP8
     if fp8 and number < 89:
         return f"fp8 (e4m3 / e5m2) needs sm_89 or later (cvt to and from fp8); {arch} has none"
     if isinstance(spec, MatmulSpec):

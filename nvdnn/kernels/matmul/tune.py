@@ -8,6 +8,8 @@ import math
 from ...errors import ValidationError
 from ..pointwise import Operand
 from .planning import plan_matmul, pointwise_contiguous
+from .skinny import SkinnySpec
+from .skinny import candidates as skinny_candidates
 from .specs import FP8, HALF, MatmulSpec
 
 # -- tile candidates -------------------------------------------------------------------------
@@ -24,6 +26,8 @@ SIMT_TILES = ((64, 64, 16), (128, 128, 8), (128, 64, 16), (32, 32, 32))
 
 def candidates(spec) -> list:
     """Tile variants of a spec (same kernel and request), the spec itself first."""
+    if isinstance(spec, SkinnySpec):
+        return skinny_candidates(spec)
     if not isinstance(spec, MatmulSpec):
         return [spec]
     out = [spec]
@@ -97,9 +101,12 @@ def preset() -> list:
             for a_t, b_t in layouts(dt):                                              # every major-ness, batched
                 add(plan_matmul(a_t, b_t, arch=arch))
             add(plan_matmul(op(dt, (64, 16384)), op(dt, (16384, 64), (1, 16384)), arch=arch))  # split-K
-            decode_w = op(dt, (4096, 11008), (1, 4096))        # decode: split-K finished in the GEMM on sm_90
-            add(plan_matmul(op(dt, (1, 4096)), decode_w, arch=arch))
-            add(plan_matmul(op(dt, (7, 4096)), decode_w, bias=op(dt, (11008,)), epilogue=[("gelu", "")], arch=arch))
+            decode_w = op(dt, (4096, 11008), (1, 4096))        # decode rows: the skinny kernel, both B layouts
+            for w_t in (decode_w, op(dt, (4096, 11008))):
+                for rows in (1, 2, 4, 8):                        # every row bucket
+                    add(plan_matmul(op(dt, (rows, 4096)), w_t, arch=arch))
+                add(plan_matmul(op(dt, (7, 4096)), w_t, bias=op(dt, (11008,)), epilogue=[("gelu", "")], arch=arch))
+            add(plan_matmul(op(dt, (16, 4096)), decode_w, arch=arch))  # past the skinny rows: split-K in the GEMM
             add(plan_matmul(op(dt, (256, 2048)), op(dt, (2048, 1000), (1, 2048)), residual=op(dt, (256, 1000)),
                             arch=arch))
             add(plan_matmul(op(dt, (509, 1021)), op(dt, (1021, 251)), arch=arch))  # rows of a prime K: repacked
@@ -111,6 +118,9 @@ def preset() -> list:
         add(plan_matmul(f32, f32, precision="tf32", arch=arch))
         add(plan_matmul(f32, op("float32", (big, big), (1, big)), precision="tf32", arch=arch))
         add(plan_matmul(op("float32", (16, 768)), op("float32", (768, 3072), (1, 768)), precision="tf32", arch=arch))
+        for w_t in (op("float32", (4096, 4096), (1, 4096)), op("float32", (4096, 4096))):   # decode rows: skinny
+            for rows in (1, 2, 4, 8):
+                add(plan_matmul(op("float32", (rows, 4096)), w_t, arch=arch))
     for e in FP8:
         a8, w8 = op(e, (8192, 8192)), op("float8_e4m3", (8192, 8192), (1, 8192))
         bias = op("bfloat16", (8192,))
@@ -121,6 +131,9 @@ def preset() -> list:
                         out_dtype="float8_e4m3", arch="sm_90"))
         add(plan_matmul(a8, w8, bias=bias, epilogue=[("relu", "")], params=(0.0, math.inf), amax=True,
                         precision="fast", arch="sm_90"))
-        add(plan_matmul(op(e, (1, 4096)), op("float8_e4m3", (4096, 11008), (1, 4096)), bias=op("bfloat16", (11008,)),
-                        amax=True, out_dtype="float8_e4m3", arch="sm_90"))   # decode: split-K finished in the GEMM
+        add(plan_matmul(op(e, (8, 4096)), op("float8_e4m3", (4096, 11008), (1, 4096)), bias=op("bfloat16", (11008,)),
+                        amax=True, out_dtype="float8_e4m3", arch="sm_90"))   # 8 rows: split-K finished in the GEMM
+        for w8 in (op("float8_e4m3", (4096, 11008), (1, 4096)), op("float8_e4m3", (4096, 11008))):  # skinny
+            add(plan_matmul(op(e, (1, 4096)), w8, bias=op("bfloat16", (11008,)), amax=True,
+                            out_dtype="float8_e4m3", arch="sm_90"))
     return list(specs)
