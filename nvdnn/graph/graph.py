@@ -403,6 +403,10 @@ class Graph(Execution):
                 lines.append(f"    {mark} [{c}] {spec.uri}")
             for spec, reason in (self.rejected[index] if index < len(self.rejected) else []):
                 lines.append(f"      dropped {spec.uri}: {reason}")
+            if group.anchor is not None and len(self.chosen) > index:  # a plan of several launches: each one
+                plan = self._anchor_plan(group, self._built_operands(group), tile=self._chosen_spec(index))
+                if len(plan.launches) > 1:
+                    lines.append("      launches: " + " -> ".join(launch.spec.uri for launch in plan.launches))
         return "\n".join(lines)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------
