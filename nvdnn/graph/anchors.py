@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import DTypeError, ValidationError
 from . import rules
 from .rules import Rule
 
@@ -497,6 +497,8 @@ def _conv_check(a, m):
     """Rank 4 x and w whose channels agree (C = w's C * groups), an output of one pixel or more;
     bias one value per output channel, residual y's dims."""
     cv = _conv_geometry(a, m)
+    if m["x"].data_type and m["w"].data_type and m["x"].data_type != m["w"].data_type:
+        raise DTypeError(f"'w' is {m['w'].data_type}; needs x's {m['x'].data_type} (one input type a conv)", arg="w")
     if "bias" in m:
         _need(tuple(m["bias"].dims) == (cv.k,), "bias", f"has dims {list(m['bias'].dims)}; needs ({cv.k},), one value "
               "per output channel (w's dim 0)")
