@@ -195,8 +195,8 @@ class Graph(Execution):
         try:
             metas = schema.output_metas(attrs, {r: Meta(t.dims, t.strides, t.data_type)
                                                 for r, t in zip(roles, tensors)})
-        except ValidationError as exc:
-            raise ValidationError(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
+        except ValidationError as exc:  # the same class (a DTypeError stays one), named by the node
+            raise type(exc)(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
         outputs = []
         for k, (role, meta) in enumerate(zip(schema.outputs, metas)):
             uid, out_name = outs[k] if outs else (None, None)

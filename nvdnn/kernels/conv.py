@@ -241,3 +241,27 @@ def candidates(spec) -> list:
 
 def unsupported_reason(spec, arch: str) -> str | None:
     return None if isinstance(spec, Im2colSpec) else matmul.unsupported_reason(spec, arch)
+
+
+# ResNet-50's conv shapes (x (C, H), w (K, R), stride, padding) and an odd one: what `nvdnn warm
+# --preset conv` compiles, each with bias + ReLU, in the layouts programs use
+LAYERS = (((64, 56), (64, 3), 1, 1), ((64, 56), (256, 1), 1, 0), ((3, 224), (64, 7), 2, 3),
+          ((128, 56), (128, 3), 2, 1), ((256, 56), (512, 1), 2, 0), ((5, 13), (7, 3), 1, 1))
+
+
+def preset() -> list:
+    """The launches of LAYERS at batch 32: fp16 / bf16 NHWC with KRSC weights, fp32 (tf32 and
+    exact) and fp16 NCHW with KCRS weights, on Hopper and Ampere."""
+    specs: dict = {}
+    for arch in ("sm_90", "sm_80"):
+        for dtype, layout, precision in (("float16", "NHWC", "exact"), ("bfloat16", "NHWC", "exact"),
+                                         ("float32", "NCHW", "exact"), ("float32", "NCHW", "tf32"),
+                                         ("float16", "NCHW", "exact")):
+            for (c, h), (k, r), st, pad in LAYERS:
+                x = Operand(dtype, (32, c, h, h), packed_strides((32, c, h, h), layout))
+                w = Operand(dtype, (k, c, r, r), packed_strides((k, c, r, r), layout))
+                plan = plan_conv_fprop(x, w, bias=Operand(dtype, (k,), (1,)), stride=st, padding=pad,
+                                       epilogue=(("relu", ""),), params=(0.0, float("inf")), precision=precision,
+                                       arch=arch)
+                specs.update(dict.fromkeys(launch.spec for launch in plan.launches))
+    return list(specs)
