@@ -316,3 +316,139 @@ def test_gather_sass_moves_16_bytes_and_conv_gemms_use_hgmma(warmed, tmp_path):
     gemm = next(e for (uri, _), e in entries.items() if uri.startswith("matmul/wgmma/bf16") and "/bias.col" in uri)
     text = sass(gemm)
     assert "HGMMA" in text and "UTMALDG" in text and " STL" not in text
+
+
+# -- plans run by a NumPy emulator of their launches -------------------------------------------------------
+# What no GPU here can show: that the planner wires the gather, the reorder, the GEMM's operands,
+# tensor maps, output and residual strides and scratch slots together right. Each launch is run
+# on flat float64 buffers by its kernel's contract (im2col.cu.j2 as its header states it, the
+# repack copy, the GEMM y = epilogue(alpha * A @ B + bias + beta * residual) read through its
+# tensor maps on wgmma, through its stride arguments elsewhere).
+
+def _emulate_im2col(launch, mem):
+    col, x = (mem[p] for p in launch.pointers)
+    n_, c_, h_, w_, p_, q_, r_, s_, ph, pw, sth, stw, dh, dw = (int(v) for v in launch.args[:14])
+    sn, sc, sh, sw, ld = (int(v) for v in launch.args[14:])
+    assert launch.spec.vec == 1 or (sc == 1 and c_ % launch.spec.vec == 0 and ld % launch.spec.vec == 0)
+    n, p, q, r, s, c = np.indices((n_, p_, q_, r_, s_, c_))
+    h, w = p * sth - ph + r * dh, q * stw - pw + s * dw
+    inside = (h >= 0) & (h < h_) & (w >= 0) & (w < w_)
+    src = np.where(inside, n * sn + c * sc + h * sh + w * sw, 0)
+    col[((n * p_ + p) * q_ + q) * ld + (r * s_ + s) * c_ + c] = np.where(inside, x[src], 0.0)
+
+
+def _emulate_repack(launch, mem):
+    dst, src = (mem[p] for p in launch.pointers)
+    rows, cols, sb, sr, sc, pitch, dst_sb = (int(v) for v in launch.args)
+    b, r, c = np.indices((launch.grid[2], rows, cols))
+    dst[b * dst_sb + r * pitch + c] = src[b * sb + r * sr + c * sc]
+
+
+def _read(buffer, dims, strides):
+    index = sum(np.arange(d).reshape([-1 if i == a else 1 for i in range(len(dims))]) * s
+                for a, (d, s) in enumerate(zip(dims, strides)))
+    return buffer[index]
+
+
+def _emulate_gemm(launch, mem):
+    spec, args = launch.spec, list(launch.args)
+    assert not spec.split and not spec.amax and not spec.scaled   # a split-K finish sums the same products
+    maps = [args.pop(0), args.pop(0)] if spec.kernel == "wgmma" else None
+    m, n, k, batch = (int(v) for v in args[:4])
+    a_sm, a_sk, a_sb, b_sk, b_sn, b_sb = (int(v) for v in args[4:10])
+    args = args[10:]
+    if maps:
+        bmul = [int(args.pop(0)), int(args.pop(0))]
+        if spec.finish:
+            assert 0 < int(args.pop(0)) < k and launch.pointers[-1].startswith("scratch")   # the K chunk
+        ops = []
+        for tmap, mul, rows in zip(maps, bmul, (m, n)):
+            buffer = mem[launch.pointers[tmap.pointer]]
+            width = 2 if spec.a_dtype != "float32" else 4
+            d0, d1, d2 = tmap.dims
+            s1, s2 = (s // width for s in tmap.strides)
+            if (spec.a_major if tmap.pointer == 1 else spec.b_major) == "k":   # (K, rows, batch)
+                assert (d0, d1) == (k, rows)
+                t = _read(buffer, (d2, d1, d0), (s2, s1, 1))
+            else:                                                               # (rows, K, batch)
+                assert (d0, d1) == (rows, k)
+                t = _read(buffer, (d2, d1, d0), (s2, s1, 1)).transpose(0, 2, 1)
+            ops.append(t[np.arange(batch) * mul % d2])
+        a, b = ops[0], ops[1].transpose(0, 2, 1)
+    else:
+        a = _read(mem[launch.pointers[1]], (batch, m, k), (a_sb, a_sm, a_sk))
+        b = _read(mem[launch.pointers[2]], (batch, k, n), (b_sb, b_sk, b_sn))
+    c_sm, c_sn, c_sb = (int(v) for v in args[:3])
+    args = args[3:]
+    y = np.matmul(a, b)
+    roles = launch.pointers[3:len(launch.pointers) - spec.finish]
+    if spec.bias:
+        y = y + mem[roles[0]][:n]
+    if spec.residual:
+        r_sm, r_sn, r_sb = (int(v) for v in args[:3])
+        args = args[3:]
+        res = _read(mem["residual"], (batch, m, n), (r_sb, r_sm, r_sn))
+    y = y * float(args[0])
+    if spec.residual:
+        y = y + float(args[1]) * res
+    y = ref.chain(y, spec.epilogue, [float(v) for v in args[2 if spec.residual else 1:]])
+    out = mem[launch.pointers[0]]
+    bi, mi, ni = np.indices((batch, m, n))
+    out[bi * c_sb + mi * c_sm + ni * c_sn] = y
+
+
+def _run_plan(plan, mem):
+    for size, slot in zip(plan.scratch, range(len(plan.scratch))):
+        mem[f"scratch{slot}"] = np.full(size, np.nan)   # element slots (bytes over-count: harmless)
+    for launch in plan.launches:
+        {"im2col": _emulate_im2col, "repack": _emulate_repack, "matmul": _emulate_gemm}[launch.spec.family](launch, mem)
+
+
+def _buffer(values, layout):
+    """A flat buffer holding (N, C, H, W) ``values`` in ``layout`` memory, and its strides."""
+    if layout == "NHWC" and values.ndim == 4:
+        return np.ascontiguousarray(values.transpose(0, 2, 3, 1)).ravel(), conv.packed_strides(values.shape, "NHWC")
+    return values.ravel().copy(), conv.packed_strides(values.shape, "NCHW") if values.ndim == 4 else (1,)
+
+
+EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layouts (x, w)
+    ((2, 8, 6, 5), (16, 8, 1, 1), 1, 0, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # the GEMM over x itself
+    ((2, 8, 6, 5), (16, 8, 1, 1), 1, 0, 1, "float16", "sm_90", ("NCHW", "NCHW")),
+    ((2, 16, 9, 7), (24, 16, 3, 3), 1, 1, 1, "bfloat16", "sm_90", ("NHWC", "NHWC")),
+    ((2, 16, 9, 7), (24, 16, 3, 3), 1, 1, 1, "bfloat16", "sm_90", ("NCHW", "NCHW")),
+    ((2, 3, 15, 13), (8, 3, 7, 7), 2, 3, 1, "float16", "sm_90", ("NHWC", "NHWC")),    # the stem's shape
+    ((3, 5, 13, 11), (7, 5, 3, 2), (2, 1), (1, 0), (1, 2), "float16", "sm_90", ("NCHW", "NHWC")),
+    ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "float32", "sm_80", ("NHWC", "NCHW")),
+    ((2, 8, 8, 8), (16, 8, 1, 1), 2, 0, 1, "bfloat16", "sm_80", ("NHWC", "NHWC")),    # 1x1 stride 2: gathered
+    ((2, 64, 12, 12), (64, 64, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+]
+
+
+@pytest.mark.parametrize("case", EMULATED, ids=[f"{c[0]}x{c[1]}-{c[5]}-{c[6]}-{c[7][0]}" for c in EMULATED])
+@pytest.mark.parametrize("epilogue", ["plain", "bias_residual_relu"])
+def test_plans_emulated_launch_by_launch_match_the_reference(case, epilogue):
+    xs, ws, stride, padding, dilation, dtype, arch, (x_layout, w_layout) = case
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    mem, ops = {}, {}
+    for role, values, layout in (("x", x, x_layout), ("w", w, w_layout)):
+        mem[role], strides = _buffer(values, layout)
+        ops[role] = Operand(dtype, values.shape, strides)
+    extra, want = {}, {}
+    p, q = ref.conv2d_output_size(xs, ws, stride, padding, dilation)
+    y_dims = (xs[0], ws[0], p, q)
+    if epilogue != "plain":
+        want["bias"], want["residual"] = rng.standard_normal(ws[0]), rng.standard_normal(y_dims)
+        mem["bias"], _ = _buffer(want["bias"], "NCHW")
+        mem["residual"], r_strides = _buffer(want["residual"], x_layout)
+        extra = dict(bias=Operand(dtype, (ws[0],), (1,)), residual=Operand(dtype, y_dims, r_strides),
+                     epilogue=(("relu", ""),), params=(0.0, float("inf")))
+        want["activation"] = "relu"
+    plan = conv.plan_conv_fprop(ops["x"], ops["w"], stride=stride, padding=padding, dilation=dilation, arch=arch,
+                                **extra)
+    mem["y"] = np.full(int(np.prod(y_dims)), np.nan)
+    _run_plan(plan, mem)
+    y_strides = conv.packed_strides(y_dims, x_layout)
+    got = _read(mem["y"], y_dims, y_strides)
+    np.testing.assert_allclose(got, ref.conv2d(x, w, stride=stride, padding=padding, dilation=dilation, **want),
+                               atol=1e-10, err_msg=" -> ".join(_uris(plan)))
