@@ -51,12 +51,12 @@ def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activa
     kind = kinds["x"] if out_dev is None else dtypes.of_array(out_dev, arg="out").name
     if out_dev is not None:
         _check_out(out_dev, kind, xs)
+    attrs = ANCHORS["conv_fprop"].attributes(attrs, "conv2d")   # canonical: ints and (H, W) tuples
     key = (device, tuple((r, _signature(a)) for r, a in xs.items()), tuple(attrs.items()), steps, params,
            None if out_dev is None else _signature(out_dev))
     found = _PLANS.get(key)
     if found is None:
         from .compiler import device_arch
-        attrs = ANCHORS["conv_fprop"].attributes(attrs, "conv2d")
         ops = {role: _operand(a, kinds[role]) for role, a in xs.items()}
         cv = family.geometry(ops["x"].shape, ops["w"].shape, attrs["stride"], attrs["padding"], attrs["dilation"])
         dims = (cv.n, cv.k, cv.p, cv.q)

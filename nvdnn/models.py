@@ -112,9 +112,10 @@ class Model:
 
 # -- ResNet-50 ------------------------------------------------------------------------------------
 # torchvision's ResNet-50 (v1.5: the stride sits in each stage's first 3x3 conv), its convs as the
-# graph op conv_fprop (what nvdnn.conv2d plans). Every conv is followed by a batch norm (inference form, float32 statistics and affine parameters); a
-# bottleneck block ends in a residual add + ReLU, run on the blocks' packed arrays (NHWC memory
-# as (N, H, W, C)), as a channels-last program calls nvdnn.elementwise.
+# graph op conv_fprop (what nvdnn.conv2d plans). Every conv is followed by a batch norm (inference
+# form, float32 statistics and affine parameters); a bottleneck block ends in a residual add + ReLU,
+# run on the blocks' packed arrays (NHWC memory as (N, H, W, C)), as a channels-last program calls
+# nvdnn.elementwise.
 
 RESNET50_STEM = (
     layer("conv1", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7)}, {"stride": 2, "padding": 3}),
@@ -136,14 +137,14 @@ def _bn(c, side, then=(), count="blocks") -> dict:
 # output channels, t the output side, stride s/t. The first block of a stage ("first") has the
 # stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
 RESNET50_BLOCK = (
-    layer("conv1", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1)}, {"stride": 1, "padding": 0},
-          count="blocks"),
+    layer("conv1", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1)},
+          {"stride": 1, "padding": 0}, count="blocks"),
     layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
     layer("conv2", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3)},
           {"stride": "stride", "padding": 1}, count="blocks"),
     layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
-    layer("conv3", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1)}, {"stride": 1, "padding": 0},
-          count="blocks"),
+    layer("conv3", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1)},
+          {"stride": 1, "padding": 0}, count="blocks"),
     layer("bn3", "batch_norm", **_bn("o", "t")),
     layer("downsample.conv", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1)},
           {"stride": "stride", "padding": 0}, only={"block": "first"}),

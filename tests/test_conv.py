@@ -12,7 +12,7 @@ from nvdnn import reference as ref
 
 
 def _loops(x, w, stride, padding, dilation, groups):
-    """y[n, k, p, q] = sum over c, r, s of x[n, g * Cg + c, p * sh - ph + r * dh, q * sw - pw + s * dw] w[k, c, r, s]."""
+    """y[n, k, p, q] = sum over c, r, s of x[n, g Cg + c, p sh - ph + r dh, q sw - pw + s dw] w[k, c, r, s]."""
     n_, c_, h_, w_ = x.shape
     k_, cg, r_, s_ = w.shape
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
@@ -271,7 +271,8 @@ def test_functional_refuses_groups_before_the_device():
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     from tests.presets import warmed_preset
-    gathers = [conv.Im2colSpec(dt, v) for dt in conv.DTYPES for v in (1, 2, 4, 8) if v * (2 if dt != "float32" else 4) <= 16]
+    gathers = [conv.Im2colSpec(dt, v) for dt in conv.DTYPES for v in (1, 2, 4, 8)
+               if v * (2 if dt != "float32" else 4) <= 16]
     specs = list(dict.fromkeys(gathers + conv.preset()))
     jobs = [(s, a) for s in specs for a in ("sm_80", "sm_90") if not conv.unsupported_reason(s, a)]
     return warmed_preset(tmp_path_factory.mktemp("conv-cache"), jobs)
@@ -421,6 +422,9 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "float32", "sm_80", ("NHWC", "NCHW")),
     ((2, 8, 8, 8), (16, 8, 1, 1), 2, 0, 1, "bfloat16", "sm_80", ("NHWC", "NHWC")),    # 1x1 stride 2: gathered
     ((2, 64, 12, 12), (64, 64, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    ((3, 5, 13, 11), (7, 5, 1, 1), 1, 0, 1, "float16", "sm_90", ("NHWC", "NCHW")),   # rows no tensor map reads
+    ((8, 3, 64, 64), (64, 3, 7, 7), 2, 3, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # B (R*S*C = 147) repacked
+    ((3, 5, 13, 11), (7, 5, 1, 1), 1, 0, 1, "bfloat16", "sm_90", ("NCHW", "NCHW")),
 ]
 
 
@@ -452,3 +456,12 @@ def test_plans_emulated_launch_by_launch_match_the_reference(case, epilogue):
     got = _read(mem["y"], y_dims, y_strides)
     np.testing.assert_allclose(got, ref.conv2d(x, w, stride=stride, padding=padding, dilation=dilation, **want),
                                atol=1e-10, err_msg=" -> ".join(_uris(plan)))
+
+
+def test_a_conv_graph_round_trips_through_a_plan_blob():
+    g, x, w = _graph((2, 5, 13, 11), (7, 5, 3, 3), nhwc=False, dtype="bfloat16")
+    g.relu(g.conv_fprop(x, w, padding=1, stride=(2, 1)), name="y").set_output(True)
+    g.build()
+    again = nvdnn.Graph.deserialize(g.serialize())
+    assert again.explain() == g.explain() and "launches: im2col/bf16.v1 -> im2col/bf16.v1 -> " in again.explain()
+    assert again.get_workspace_size() == g.get_workspace_size() > 0
