@@ -230,6 +230,13 @@ def test_gather_vectors_need_contiguous_aligned_channels():
         assert plan.launches[0].spec.vec == vec, (layout, c, align)
 
 
+def test_gather_index_arithmetic_is_32_bit_until_it_cannot_be():
+    w = _op("float32", (64, 64, 3, 3), "NCHW")
+    for n, index in ((64, "int32"), (128, "int64")):   # 64 * 224^2 * 576 elements fit 2^31 - 1; twice that not
+        plan = conv.plan_conv_fprop(_op("float32", (n, 64, 224, 224), "NCHW"), w, padding=1, arch="sm_80")
+        assert plan.launches[0].spec.index == index
+
+
 def test_graph_explain_shows_the_gather_and_the_gemm():
     g, x, w = _graph((2, 64, 56, 56), (64, 64, 3, 3))
     g.relu(g.conv_fprop(x, w, g.tensor(dims=[64], name="b"), padding=1), name="y").set_output(True)
@@ -271,8 +278,8 @@ def test_functional_refuses_groups_before_the_device():
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     from tests.presets import warmed_preset
-    gathers = [conv.Im2colSpec(dt, v) for dt in conv.DTYPES for v in (1, 2, 4, 8)
-               if v * (2 if dt != "float32" else 4) <= 16]
+    gathers = [conv.Im2colSpec(dt, v, index) for dt in conv.DTYPES for v in (1, 2, 4, 8)
+               for index in ("int32", "int64") if v * (2 if dt != "float32" else 4) <= 16]
     specs = list(dict.fromkeys(gathers + conv.preset()))
     jobs = [(s, a) for s in specs for a in ("sm_80", "sm_90") if not conv.unsupported_reason(s, a)]
     return warmed_preset(tmp_path_factory.mktemp("conv-cache"), jobs)
@@ -287,7 +294,7 @@ def test_every_conv_kernel_compiles_and_the_gathers_do_not_spill(warmed):
     entries = warmed["entries"]
     assert {a for _, a in entries} == {"sm_80", "sm_90", "sm_90a"}
     gathers = {k: e for k, e in entries.items() if k[0].startswith("im2col/")}
-    assert len(gathers) == 2 * 11 and _spilled(gathers) == set()
+    assert len(gathers) == 2 * 22 and _spilled(gathers) == set()
     assert _spilled(entries) <= {("matmul/wgmma/f16.kxf16.k->f16/bias.col.f16/ep=relu/256x128x64s4w2x1g8", "sm_90a")}
 
 
@@ -311,8 +318,9 @@ def test_gather_sass_moves_16_bytes_and_conv_gemms_use_hgmma(warmed, tmp_path):
 
     entries = warmed["entries"]
     for arch in ("sm_80", "sm_90"):
-        text = sass(entries[("im2col/bf16.v8", arch)])
-        assert "LDG.E.128" in text and "STG.E.128" in text and " STL" not in text, arch
+        for uri in ("im2col/bf16.v8", "im2col/bf16.v8/i64"):
+            text = sass(entries[(uri, arch)])
+            assert "LDG.E.128" in text and "STG.E.128" in text and " STL" not in text, (uri, arch)
         assert "LDG.E.128" not in sass(entries[("im2col/f16.v1", arch)])
     gemm = next(e for (uri, _), e in entries.items() if uri.startswith("matmul/wgmma/bf16") and "/bias.col" in uri)
     text = sass(gemm)

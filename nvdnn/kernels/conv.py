@@ -46,21 +46,24 @@ class Im2colSpec(KernelSpec):
 
     dtype: str
     vec: int                 # elements a thread moves at once (16 bytes at most)
+    index: str = "int32"     # the element index's type: "int64" past 2^31 - 1 (with the grid's stride)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.vec, tuple(v for v in (1, 2, 4, 8) if v * dtypes.BY_NAME[self.dtype].itemsize <= 16), "vec")
+        one_of(self.index, ("int32", "int64"), "index")
 
     @property
     def uri(self) -> str:
-        return f"im2col/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}"
+        return f"im2col/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}" + ("/i64" if self.index == "int64" else "")
 
     @property
     def entry(self) -> str:
         return "nvdnn_im2col"
 
     def render_context(self) -> dict:
-        return {"elem_t": _ELEM[dtypes.BY_NAME[self.dtype].itemsize], "vec": self.vec, "block": BLOCK}
+        return {"elem_t": _ELEM[dtypes.BY_NAME[self.dtype].itemsize], "vec": self.vec, "block": BLOCK,
+                "index_t": "int" if self.index == "int32" else "long long"}
 
 
 class Conv(NamedTuple):
@@ -164,7 +167,8 @@ def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str) -> tu
     args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, cv.p, cv.q, cv.r, cv.s, *cv.padding, *cv.stride,
                                     *cv.dilation)), *(np.int64(v) for v in (sn, sc, sh, sw, ld)))
     grid = (max(1, min(-(-total // BLOCK), MAX_BLOCKS)), 1, 1)
-    return Launch(Im2colSpec(dtype, vec), grid, (BLOCK, 1, 1), 0, (dst, src), args), rows * ld * width
+    index = "int32" if total + grid[0] * BLOCK <= INT32_MAX else "int64"   # the last grid-stride step fits too
+    return Launch(Im2colSpec(dtype, vec, index), grid, (BLOCK, 1, 1), 0, (dst, src), args), rows * ld * width
 
 
 def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, residual: Operand | None = None,

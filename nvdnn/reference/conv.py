@@ -32,9 +32,10 @@ def _grouped(a, groups):
     return a.reshape(a.shape[0], groups, a.shape[1] // groups, *a.shape[2:])
 
 
-def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None, residual=None,
-           **activation_params):
-    """activation(conv(x, w) + bias[k] + residual): nvdnn.conv2d's arguments."""
+def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None, residual=None,
+           precision="exact", **activation_params):
+    """activation(conv(x, w) + bias[k] + residual): nvdnn.conv2d's arguments (``precision`` says
+    how the GPU sums; float64 sums here whatever it says)."""
     x, w = _f64(x), _f64(w)
     stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
     out = conv2d_output_size(x.shape, w.shape, stride, padding, dilation)
