@@ -11,7 +11,7 @@ calls (median of 5 trials, synchronized at each trial's end) of nvdnn with CuPy 
 inputs and ``out=``, with PyTorch tensors, and of PyTorch's equivalent (with ``out=`` where it has
 one), and the device time per call that torch.profiler records for nvdnn's and PyTorch's.
 Small rows pass when nvdnn's CuPy call takes no longer than PyTorch's and than the target
-(pointwise 9 us, norms / softmax / pooling / reductions 12 us, matmul 14 us), with ``out=`` no
+(pointwise 9 us, norms / softmax / pooling / reductions 12 us, matmul and conv 14 us), with ``out=`` no
 longer than PyTorch's ``out=``, and with PyTorch tensors within 2 us of CuPy's. Mid rows are
 reported, not judged. GPU time: ~90 s (--quick, small rows only: ~45 s) after compiles.
 """
@@ -32,7 +32,7 @@ from sweep import Arr, Case, call_us, calls_for, first, input_sets, kernel_us, r
 import nvdnn  # noqa: E402
 
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
-             "nvdnn.functional_matmul_backward": 14.0}
+             "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -228,6 +228,15 @@ def _matmul_backward(size):
                 lambda t, dy, a, b: lambda: (t.matmul(dy, b.T), t.matmul(a.T, dy)))
 
 
+def _conv2d(size):
+    """A 3x3 conv + bias + ReLU, channels-last bf16 (nvdnn: the gather and the GEMM, two launches)."""
+    n_, c, h, w = MAP[size] if size == "mid" else (2, 16, 16, 16)
+    x, wt, b = Arr((n_, c, h, w), "bfloat16", "NHWC"), Arr((c, c, 3, 3), "bfloat16", "NHWC"), Arr((c,), "bfloat16")
+    return Case("calls", "conv2d", (x, wt, b),
+                lambda n, x, w, b: partial(n.conv2d, x, w, b, padding=1, activation="relu"),
+                lambda t, x, w, b: lambda: t.relu(t.nn.functional.conv2d(x, w, b, padding=1)))
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -237,7 +246,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
     for name in [*entry_points(), *EXTRA_ROWS]:
         made = [(size, _pointwise(name, size) or _rows_case(name, size) or _map_case(name, size)
                  or (_matmul(size) if name == "matmul" else None)
-                 or (_matmul_backward(size) if name == "matmul_backward" else None)) for size in sizes]
+                 or (_matmul_backward(size) if name == "matmul_backward" else None)
+                 or (_conv2d(size) if name == "conv2d" else None)) for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)
             continue

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, dtypes
-from .errors import DeviceError, DTypeError, ValidationError
+from .errors import DeviceError, DTypeError, UnsupportedError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
 from .graph.rules import FLAG, SCALAR, check_dims, check_extent
@@ -283,3 +283,13 @@ def device() -> int:
         raise DeviceError(f"no usable GPU was found ({type(exc).__name__}: {exc}); nvdnn.reference.<op> computes "
                           "the same with NumPy on the CPU (same arguments), and Graph.execute(..., "
                           "backend='numpy') runs a graph there", arg="device") from exc
+
+
+@remembered
+def check_conv(x, w, bias, residual, attrs: dict, out) -> None:
+    """conv2d: the conv_fprop row's rules (types, ranks, channels, output size, attributes), and
+    the groups its kernels take (1 for now), so every machine raises the same error."""
+    check_anchor("conv_fprop", {"x": x, "w": w, "bias": bias, "residual": residual}, attrs, out, None)
+    if attrs.get("groups", 1) != 1:
+        raise UnsupportedError(f"groups: {attrs['groups']}; grouped and depthwise convolutions (groups > 1) are not "
+                               "supported yet: groups=1 only", arg="groups")

@@ -9,7 +9,7 @@ later runs those layers on that arch finds each kernel in the cache.
 
 Linear layers are declared as a program writes them (nn.Linear's packed (N, K) weight, used
 as ``x @ w.T``), so the warmed GEMM is the one the program asks for. Layers whose op has no
-kernel family yet (convolution, attention) are checked at run time against the anchor op table
+kernel family yet (attention) are checked at run time against the anchor op table
 and reported as skipped, one line per op, never dropped silently.
 """
 from __future__ import annotations
@@ -50,6 +50,12 @@ def f32(*dims) -> T:
 def io(*dims) -> T:
     """A packed tensor in the model's type."""
     return T(dims)
+
+
+def weight(*dims) -> T:
+    """A conv weight (K, C, R, S) in the model's type and image layout: KRSC for a channels-last
+    model (PyTorch's channels_last converts weights too), KCRS for NCHW."""
+    return T(dims, "io", "io")
 
 
 def linear_weight(k, n) -> T:
@@ -105,13 +111,14 @@ class Model:
 
 
 # -- ResNet-50 ------------------------------------------------------------------------------------
-# torchvision's ResNet-50 (v1.5: the stride sits in each stage's first 3x3 conv). Every conv is
-# followed by a batch norm (inference form, float32 statistics and affine parameters); a
-# bottleneck block ends in a residual add + ReLU, run on the blocks' packed arrays (NHWC memory
-# as (N, H, W, C)), as a channels-last program calls nvdnn.elementwise.
+# torchvision's ResNet-50 (v1.5: the stride sits in each stage's first 3x3 conv), its convs as the
+# graph op conv_fprop (what nvdnn.conv2d plans). Every conv is followed by a batch norm (inference
+# form, float32 statistics and affine parameters); a bottleneck block ends in a residual add + ReLU,
+# run on the blocks' packed arrays (NHWC memory as (N, H, W, C)), as a channels-last program calls
+# nvdnn.elementwise.
 
 RESNET50_STEM = (
-    layer("conv1", "conv2d", {"x": act("n", 3, 224, 224), "w": T((64, 3, 7, 7))}, {"stride": 2, "padding": 3}),
+    layer("conv1", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7)}, {"stride": 2, "padding": 3}),
     layer("bn1", "batch_norm", {"x": act("n", 64, 112, 112), "mean": f32(64), "var": f32(64), "gamma": f32(64),
                                 "beta": f32(64)}, then=("relu",)),
     layer("maxpool", "max_pool2d", {"x": act("n", 64, 112, 112)}, {"kernel": 3, "stride": 2, "padding": 1}),
@@ -130,16 +137,16 @@ def _bn(c, side, then=(), count="blocks") -> dict:
 # output channels, t the output side, stride s/t. The first block of a stage ("first") has the
 # stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
 RESNET50_BLOCK = (
-    layer("conv1", "conv2d", {"x": act("n", "i", "s", "s"), "w": T(("w", "i", 1, 1))}, {"stride": 1, "padding": 0},
-          count="blocks"),
+    layer("conv1", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1)},
+          {"stride": 1, "padding": 0}, count="blocks"),
     layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
-    layer("conv2", "conv2d", {"x": act("n", "w", "s", "s"), "w": T(("w", "w", 3, 3))},
+    layer("conv2", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3)},
           {"stride": "stride", "padding": 1}, count="blocks"),
     layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
-    layer("conv3", "conv2d", {"x": act("n", "w", "t", "t"), "w": T(("o", "w", 1, 1))}, {"stride": 1, "padding": 0},
-          count="blocks"),
+    layer("conv3", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1)},
+          {"stride": 1, "padding": 0}, count="blocks"),
     layer("bn3", "batch_norm", **_bn("o", "t")),
-    layer("downsample.conv", "conv2d", {"x": act("n", "i", "s", "s"), "w": T(("o", "i", 1, 1))},
+    layer("downsample.conv", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1)},
           {"stride": "stride", "padding": 0}, only={"block": "first"}),
     layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
     layer("add+relu", "add", {"a": T(("n", "o", "t", "t"), "io", "memory"), "b": T(("n", "o", "t", "t"), "io",
@@ -182,8 +189,8 @@ def _resnet50_variants(p: dict) -> list[dict]:
 
 
 RESNET50 = Model(
-    "resnet50", "ResNet-50 inference: batch norm (+ReLU), residual add + ReLU, max pool, global average pool, "
-    "the fc layer (x @ w.T + b); the convolutions are declared and skipped until their family exists",
+    "resnet50", "ResNet-50 inference: the convolutions (im2col gather + GEMM; 1x1 stride 1: the GEMM alone), "
+    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b)",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
      Param("layout", "choices:auto,NHWC,NCHW", "auto",

@@ -195,8 +195,8 @@ class Graph(Execution):
         try:
             metas = schema.output_metas(attrs, {r: Meta(t.dims, t.strides, t.data_type)
                                                 for r, t in zip(roles, tensors)})
-        except ValidationError as exc:
-            raise ValidationError(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
+        except ValidationError as exc:  # the same class (a DTypeError stays one), named by the node
+            raise type(exc)(f"node '{node_name}' ({op}): {exc}", arg=exc.arg) from None
         outputs = []
         for k, (role, meta) in enumerate(zip(schema.outputs, metas)):
             uid, out_name = outs[k] if outs else (None, None)
@@ -403,6 +403,10 @@ class Graph(Execution):
                 lines.append(f"    {mark} [{c}] {spec.uri}")
             for spec, reason in (self.rejected[index] if index < len(self.rejected) else []):
                 lines.append(f"      dropped {spec.uri}: {reason}")
+            if group.anchor is not None and len(self.chosen) > index:  # a plan of several launches: each one
+                plan = self._anchor_plan(group, self._built_operands(group), tile=self._chosen_spec(index))
+                if len(plan.launches) > 1:
+                    lines.append("      launches: " + " -> ".join(launch.spec.uri for launch in plan.launches))
         return "\n".join(lines)
 
     # -- blobs and CUDA graphs ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ class Plan(NamedTuple):
     scratch: tuple = ()
 
 
-FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul")
+FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv")
 
 
 def family(name: str):

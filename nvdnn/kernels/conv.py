@@ -1,0 +1,271 @@
+"""Convolution forward as a GEMM: y (N*P*Q, K) = A (N*P*Q, R*S*C) @ B (R*S*C, K), the matmul
+family's fused epilogue (bias per output channel = per column, activation, residual) on top.
+
+- 1x1, stride 1, no padding: A is x itself (rows (n, h, w), columns c) -- a strided Operand
+  view, no copy; NHWC gives a K-major A, NCHW an M-major one (wgmma reads both for 16-bit types,
+  plan_matmul repacks where its kernels cannot).
+- every other case: an im2col pass (templates/conv/im2col.cu.j2) gathers A into plan scratch,
+  K-major, columns (r, s, c), rows at a 16-byte pitch, zero where a tap falls in the padding;
+  the GEMM reads it. One plan: gather, then GEMM.
+
+B is w read as (R*S*C, K): directly where w's (r, s, c) fold into one stride (KRSC, or any
+1x1 weight), else the same im2col kernel reorders it (w as a (K, C, R, S) image, P = Q = 1)
+into scratch. y (and the residual) is written through its strides: rows (n, p, q) fold into
+one M stride (NHWC) or into a batch over n of (p, q) rows (NCHW: y is then column-major, the
+epilogue's scalar stores). groups > 1 is refused for now (grouped and depthwise kernels come
+later). x and y are (N, C, H, W) / (N, K, P, Q) in cuDNN's convention: dims NCHW, strides
+say the layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import DTypeError, UnsupportedError, ValidationError
+from ..reference.conv import pair
+from ..spec import KernelSpec, one_of
+from . import Launch, Plan, repack
+from . import matmul
+from .pointwise import Operand
+
+DTYPES = ("float32", "float16", "bfloat16")
+BLOCK = 256
+MAX_BLOCKS = 1 << 16      # the gather's grid walks the rest by grid stride
+INT32_MAX = 2 ** 31 - 1
+_ELEM = {2: "unsigned short", 4: "unsigned int"}
+
+
+@dataclass(frozen=True)
+class Im2colSpec(KernelSpec):
+    """The gather of A (and the reorder of a KCRS weight into B). Pointers: the column matrix, x."""
+    family = "im2col"
+    template = "conv/im2col.cu.j2"
+    tiles_exact = True
+
+    dtype: str
+    vec: int                 # elements a thread moves at once (16 bytes at most)
+    index: str = "int32"     # the element index's type: "int64" past 2^31 - 1 (with the grid's stride)
+
+    def validate(self) -> None:
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.vec, tuple(v for v in (1, 2, 4, 8) if v * dtypes.BY_NAME[self.dtype].itemsize <= 16), "vec")
+        one_of(self.index, ("int32", "int64"), "index")
+
+    @property
+    def uri(self) -> str:
+        return f"im2col/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}" + ("/i64" if self.index == "int64" else "")
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_im2col"
+
+    def render_context(self) -> dict:
+        return {"elem_t": _ELEM[dtypes.BY_NAME[self.dtype].itemsize], "vec": self.vec, "block": BLOCK,
+                "index_t": "int" if self.index == "int32" else "long long"}
+
+
+class Conv(NamedTuple):
+    """The sizes of one convolution, its window and its output (P, Q)."""
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    p: int
+    q: int
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    groups: int
+
+
+def _need(ok: bool, role: str, rule: str) -> None:
+    if not ok:
+        raise ValidationError(f"'{role}' {rule}", arg=role)
+
+
+def geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1) -> Conv:
+    """The convolution's sizes; an error names the tensor, the dim and the rule it breaks."""
+    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
+    for name, value, low in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        _need(min(value) >= low, name, f"is {value}; each of (H, W) must be >= {low}")
+    _need(groups >= 1, "groups", f"is {groups}; must be >= 1")
+    _need(len(x_shape) == 4, "x", f"has dims {list(x_shape)}; needs (N, C, H, W): rank 4")
+    _need(len(w_shape) == 4, "w", f"has dims {list(w_shape)}; needs (K, C / groups, R, S): rank 4")
+    n, c, h, w = x_shape
+    k, cg, r, s = w_shape
+    _need(c % groups == 0, "x", f"dim 1 (C) is {c}, not a multiple of groups={groups}")
+    _need(cg * groups == c, "w", f"dim 1 (C / groups) is {cg}; x's C={c} with groups={groups} needs {c // groups} "
+          "(x's C = w's C * groups)")
+    _need(k % groups == 0, "w", f"dim 0 (K) is {k}, not a multiple of groups={groups}")
+    out = []
+    for dim, (size, tap, st, pad, dil, what) in enumerate(((h, r, stride[0], padding[0], dilation[0], "H, R"),
+                                                           (w, s, stride[1], padding[1], dilation[1], "W, S"))):
+        span = dil * (tap - 1) + 1
+        _need(size + 2 * pad >= span, "x", f"dim {dim + 2} ({what.split(',')[0]}) is {size}: padded to "
+              f"{size + 2 * pad} it is smaller than the dilated filter ({what.split(', ')[1]}={tap}, dilation {dil}: "
+              f"{span}), so the output would have no {'rows' if dim == 0 else 'columns'}")
+        out.append((size + 2 * pad - span) // st + 1)
+    return Conv(n, c, h, w, k, r, s, out[0], out[1], stride, padding, dilation, groups)
+
+
+def output_layout(x_strides, c: int) -> str:
+    """The layout y is packed in by default: x's (NHWC when its channels are contiguous)."""
+    return "NHWC" if c > 1 and x_strides[1] == 1 else "NCHW"
+
+
+def packed_strides(dims, layout: str) -> tuple:
+    n, c, h, w = dims
+    return (c * h * w, h * w, w, 1) if layout == "NCHW" else (h * w * c, 1, w * c, c)
+
+
+def _fold(dims) -> int | None:
+    """The one stride (size, stride) dims, outer to inner, step by as one flat index; None if they do not."""
+    kept = [(size, st) for size, st in dims if size > 1]
+    for (_, outer), (size, inner) in zip(kept, kept[1:]):
+        if outer != inner * size:
+            return None
+    return kept[-1][1] if kept else 1
+
+
+def _rows(role: str, strides, cv: Conv, flat: bool) -> tuple[tuple, tuple]:
+    """(shape, strides) of the pixel dims of the GEMM view of an (N, ch, P, Q) tensor: rows
+    (n, p, q) as one dim (``flat``) or (p, q) rows batched over n."""
+    sn, _, sp, sq = strides
+    if flat:
+        return (cv.n * cv.p * cv.q,), (_fold(((cv.n, sn), (cv.p, sp), (cv.q, sq))),)
+    row = _fold(((cv.p, sp), (cv.q, sq)))
+    if row is None:
+        raise UnsupportedError(f"{role}: strides {tuple(strides)}: its (P, Q) pixels do not step by one stride, so "
+                               "no GEMM writes or reads it; pass a packed NCHW or NHWC tensor")
+    return (cv.n, cv.p * cv.q), (sn, row)
+
+
+def _gemm_view(role: str, op: Operand, cv: Conv, flat: bool, channels: int) -> Operand:
+    """The (pixels, channels) operand of an (N, ch, P, Q) tensor, batched over n unless ``flat``."""
+    shape, strides = _rows(role, op.strides, cv, flat)
+    return Operand(op.dtype, shape + (channels,), strides + (op.strides[1],), op.align)
+
+
+def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str) -> tuple[Launch, int]:
+    """The gather launch of ``cv``'s columns from ``x`` into ``dst`` at row pitch ``ld``, and its bytes."""
+    width = dtypes.BY_NAME[dtype].itemsize
+    vec = 16 // width
+    sn, sc, sh, sw = x.strides
+    while vec > 1 and not (sc == 1 and cv.c % vec == 0 and sn % vec == 0 and sh % vec == 0 and sw % vec == 0
+                           and x.align % (vec * width) == 0):
+        vec //= 2
+    rows = cv.n * cv.p * cv.q
+    total = rows * cv.r * cv.s * cv.c // vec
+    for name, size in (("N", cv.n), ("C", cv.c), ("H", cv.h), ("W", cv.w)):
+        if size > INT32_MAX:
+            raise UnsupportedError(f"{src}: {name} = {size} is more than 2^31 - 1")
+    args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, cv.p, cv.q, cv.r, cv.s, *cv.padding, *cv.stride,
+                                    *cv.dilation)), *(np.int64(v) for v in (sn, sc, sh, sw, ld)))
+    grid = (max(1, min(-(-total // BLOCK), MAX_BLOCKS)), 1, 1)
+    index = "int32" if total + grid[0] * BLOCK <= INT32_MAX else "int64"   # the last grid-stride step fits too
+    return Launch(Im2colSpec(dtype, vec, index), grid, (BLOCK, 1, 1), 0, (dst, src), args), rows * ld * width
+
+
+def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, residual: Operand | None = None,
+                    stride=1, padding=0, dilation=1, groups: int = 1, epilogue=(), params=(),
+                    out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
+                    arch: str | None = None, tile=None) -> Plan:
+    """y = epilogue(conv(x, w) + bias[k] + residual): an im2col gather (unless the conv is a 1x1
+    GEMM over x as it lies) and one plan_matmul, in one Plan. Pointers: "y", "x", "w", "bias",
+    "residual"; y's strides ``out_strides`` (default: packed in x's layout)."""
+    for role, op in (("x", x), ("w", w)):
+        if op.dtype not in DTYPES:
+            raise DTypeError(f"{role}: data type {op.dtype}; convolution takes {', '.join(DTYPES)} "
+                             "(fp8 comes later)", arg=role)
+    if w.dtype != x.dtype:
+        raise DTypeError(f"w: data type {w.dtype} does not match x's {x.dtype}", arg="w")
+    cv = geometry(x.shape, w.shape, stride, padding, dilation, groups)
+    if groups > 1:
+        raise UnsupportedError(f"groups: {groups}; grouped and depthwise convolutions (groups > 1) are not "
+                               "supported yet: groups=1 only")
+    y_dims = (cv.n, cv.k, cv.p, cv.q)
+    out_strides = tuple(out_strides) if out_strides is not None else packed_strides(
+        y_dims, output_layout(x.strides, cv.c))
+    if residual is not None and tuple(residual.shape) != y_dims:
+        raise ValidationError(f"residual: dims {list(residual.shape)}; needs y's {list(y_dims)}", arg="residual")
+    if bias is not None and tuple(bias.shape) != (cv.k,):
+        raise ValidationError(f"bias: dims {list(bias.shape)}; needs ({cv.k},), one value per output channel",
+                              arg="bias")
+    if 0 in y_dims:
+        return Plan(())
+    direct = ((cv.r, cv.s, cv.stride, cv.padding) == (1, 1, (1, 1), (0, 0))
+              and _fold(((cv.p, x.strides[2]), (cv.q, x.strides[3]))) is not None)
+    ys = [out_strides] + ([residual.strides] if residual is not None else []) + ([x.strides] if direct else [])
+    flat = all(_fold(((cv.n, s[0]), (cv.p, s[2]), (cv.q, s[3]))) is not None for s in ys)
+    j = cv.r * cv.s * cv.c
+    launches, scratch, names = [], [], {}
+    if direct:
+        a = _gemm_view("x", x, cv, flat, cv.c)
+        names["a"] = "x"
+    else:
+        ld = repack.pitch(j, x.dtype)
+        launch, size = _im2col(x.dtype, x, cv, ld, "scratch0", "x")
+        launches.append(launch), scratch.append(size)
+        rows = cv.n * cv.p * cv.q
+        a = (Operand(x.dtype, (rows, j), (ld, 1)) if flat
+             else Operand(x.dtype, (cv.n, cv.p * cv.q, j), (cv.p * cv.q * ld, ld, 1)))
+        names["a"] = "scratch0"
+    wk, wc, wr, ws = w.strides
+    b_step = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    if b_step is not None:  # (r, s, c) walk w by one stride: B is w as it lies
+        b = Operand(w.dtype, (j, cv.k), (b_step, wk), w.align)
+        names["b"] = "w"
+    else:
+        ldw = repack.pitch(j, w.dtype)
+        image = Conv(cv.k, cv.c, cv.r, cv.s, 1, cv.r, cv.s, 1, 1, (1, 1), (0, 0), (1, 1), 1)
+        dst = f"scratch{len(scratch)}"
+        launch, size = _im2col(w.dtype, w, image, ldw, dst, "w")
+        launches.append(launch), scratch.append(size)
+        b = Operand(w.dtype, (j, cv.k), (1, ldw))
+        names["b"] = dst
+    y_strides = _rows("y", out_strides, cv, flat)[1] + (out_strides[1],)
+    res = _gemm_view("residual", residual, cv, flat, cv.k) if residual is not None else None
+    gemm = matmul.plan_matmul(a, b, bias=bias, bias_axis="col", residual=res, epilogue=epilogue, params=params,
+                              out_dtype=out_dtype, out_strides=y_strides, out_align=out_align, precision=precision,
+                              arch=arch, tile=tile)
+    names.update({f"scratch{i}": f"scratch{i + len(scratch)}" for i in range(len(gemm.scratch))})
+    gemm_launches = tuple(l._replace(pointers=tuple(names.get(p, p) for p in l.pointers)) for l in gemm.launches)
+    return Plan(tuple(launches) + gemm_launches, scratch=tuple(scratch) + gemm.scratch)
+
+
+def candidates(spec) -> list:
+    """Tile variants: the GEMM's (the gather has none)."""
+    return matmul.candidates(spec)
+
+
+def unsupported_reason(spec, arch: str) -> str | None:
+    return None if isinstance(spec, Im2colSpec) else matmul.unsupported_reason(spec, arch)
+
+
+# ResNet-50's conv shapes (x (C, H), w (K, R), stride, padding) and an odd one: what `nvdnn warm
+# --preset conv` compiles, each with bias + ReLU, in the layouts programs use
+LAYERS = (((64, 56), (64, 3), 1, 1), ((64, 56), (256, 1), 1, 0), ((3, 224), (64, 7), 2, 3),
+          ((128, 56), (128, 3), 2, 1), ((256, 56), (512, 1), 2, 0), ((5, 13), (7, 3), 1, 1))
+
+
+def preset() -> list:
+    """The launches of LAYERS at batch 32: fp16 / bf16 NHWC with KRSC weights, fp32 (tf32 and
+    exact) and fp16 NCHW with KCRS weights, on Hopper and Ampere."""
+    specs: dict = {}
+    for arch in ("sm_90", "sm_80"):
+        for dtype, layout, precision in (("float16", "NHWC", "exact"), ("bfloat16", "NHWC", "exact"),
+                                         ("float32", "NCHW", "exact"), ("float32", "NCHW", "tf32"),
+                                         ("float16", "NCHW", "exact")):
+            for (c, h), (k, r), st, pad in LAYERS:
+                x = Operand(dtype, (32, c, h, h), packed_strides((32, c, h, h), layout))
+                w = Operand(dtype, (k, c, r, r), packed_strides((k, c, r, r), layout))
+                plan = plan_conv_fprop(x, w, bias=Operand(dtype, (k,), (1,)), stride=st, padding=pad,
+                                       epilogue=(("relu", ""),), params=(0.0, float("inf")), precision=precision,
+                                       arch=arch)
+                specs.update(dict.fromkeys(launch.spec for launch in plan.launches))
+    return list(specs)

@@ -1,0 +1,151 @@
+"""nvdnn.conv2d on the GPU against the float64 reference, outputs NaN-poisoned: ResNet-50-like
+layers at batch 2 (1x1 64->256 @56, 3x3 64->64 pad 1, 3x3 stride 2, the 7x7 stride-2 stem with
+C = 3, a 1x1 stride-2 downsample) and odd ones (13x11 images, C = 5, K = 7, dilation), NHWC (KRSC
+weights) and NCHW (KCRS), fp16 / bf16 / fp32 exact and tf32, with bias + ReLU and a residual;
+then the graph op executed with a workspace, and a repeat call through the call-site fast path.
+A failure names the case, the plan's kernels, the worst error and its bound."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .gpu import requires_gpu
+
+pytestmark = requires_gpu
+
+LAYERS = {  # name: (N, C, H, W, K, R, S, stride, padding, dilation)
+    "1x1_64_256": (2, 64, 56, 56, 256, 1, 1, 1, 0, 1),
+    "3x3_64_64": (2, 64, 56, 56, 64, 3, 3, 1, 1, 1),
+    "3x3_s2": (2, 64, 56, 56, 128, 3, 3, 2, 1, 1),
+    "stem_7x7_s2": (2, 3, 224, 224, 64, 7, 7, 2, 3, 1),
+    "1x1_s2": (2, 64, 28, 28, 128, 1, 1, 2, 0, 1),
+    "odd_13x11": (3, 5, 13, 11, 7, 3, 3, 1, 1, 1),
+    "odd_dilated": (1, 5, 13, 11, 7, 3, 2, (2, 1), (1, 0), (1, 2)),
+    "odd_1x1": (3, 5, 13, 11, 7, 1, 1, 1, 0, 1),
+}
+PRECISIONS = (("float16", "exact"), ("bfloat16", "exact"), ("float32", "exact"), ("float32", "tf32"))
+EPILOGUES = ("plain", "bias_relu", "bias_residual_relu")
+# (relative to |ref|, relative to rms(ref)): float32 sums, then the output's rounding (as test_gpu_matmul)
+TOL = {"float32": (1e-5, 2e-5), "tf32": (3e-3, 5e-3), "float16": (2e-3, 2e-3), "bfloat16": (1e-2, 8e-3)}
+CASES = [dict(layer=name, dtype=dt, precision=pr, layout=layout,
+              epilogue=EPILOGUES[(i + j + k) % len(EPILOGUES)], out=(i + j) % 2 == 0)
+         for i, name in enumerate(LAYERS) for j, (dt, pr) in enumerate(PRECISIONS)
+         for k, layout in enumerate(("NHWC", "NCHW"))]
+
+
+def _array(shape, dtype, layout, rng):
+    """A device array of logical (N, C, H, W) ``shape`` in ``layout`` memory, and its float64 value."""
+    import cupy
+
+    from nvdnn import dtypes
+    host = rng.uniform(-1, 1, size=shape).astype(dtypes.BY_NAME[dtype].np)
+    if layout == "NHWC":
+        dev = cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2)
+    else:
+        dev = cupy.asarray(host)
+    return dev, host.astype(np.float64)
+
+
+def _poisoned(shape, dtype, layout):
+    import cupy
+
+    from nvdnn import dtypes
+    kind = dtypes.BY_NAME[dtype].np
+    if layout == "NHWC":
+        n, c, h, w = shape
+        return cupy.full((n, h, w, c), np.nan, kind).transpose(0, 3, 1, 2)
+    return cupy.full(shape, np.nan, kind)
+
+
+def _compare(got, want, kind, what):
+    got = got.get().astype(np.float64)
+    assert not np.isnan(got).any(), f"{what}: {np.isnan(got).sum()} elements left unwritten (NaN)"
+    rel, rms_rel = TOL[kind]
+    rms = float(np.sqrt(np.mean(want ** 2))) or 1.0
+    err = np.abs(got - want)
+    bound = rel * np.abs(want) + rms_rel * rms
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"{what}: {(err > bound).sum()} of {err.size} off; at {worst} got {got[worst]:.6g}, "
+                                  f"want {want[worst]:.6g}, bound {bound[worst]:.3g} (rms {rms:.3g})")
+
+
+def _built(case, rng):
+    n, c, h, w, k, r, s, stride, padding, dilation = LAYERS[case["layer"]]
+    from nvdnn import reference as ref
+    dt, layout = case["dtype"], case["layout"]
+    x, x64 = _array((n, c, h, w), dt, layout, rng)
+    wt, w64 = _array((k, c, r, s), dt, layout, rng)
+    p, q = ref.conv2d_output_size((n, c, h, w), (k, c, r, s), stride, padding, dilation)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, precision=case["precision"])
+    args = {"x": x, "w": wt}
+    want = dict(stride=stride, padding=padding, dilation=dilation)
+    if case["epilogue"] != "plain":
+        args["bias"], want["bias"] = _array((k,), dt, "NCHW", rng)
+        kwargs["activation"] = want["activation"] = "relu"
+    if case["epilogue"] == "bias_residual_relu":
+        kwargs["residual"], want["residual"] = _array((n, k, p, q), dt, layout, rng)
+    return args, kwargs, ref.conv2d(x64, w64, **want), (n, k, p, q)
+
+
+def _plan_uris(case, args, kwargs) -> str:
+    from nvdnn import functional_conv
+    plans = [v[0] for v in functional_conv._PLANS.values()]
+    return " -> ".join(launch.spec.uri for launch in plans[-1].launches) if plans else "?"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['layer']}-{c['dtype']}-{c['precision']}-{c['layout']}-"
+                                             f"{c['epilogue']}" for c in CASES])
+def test_conv2d_matches_the_reference(case):
+    import nvdnn
+    from .gpu import poison_pool
+    rng = np.random.default_rng(abs(hash(str(case))) % 2 ** 32)
+    args, kwargs, want, dims = _built(case, rng)
+    bias = args.pop("bias", None)
+    if case["out"]:
+        out = _poisoned(dims, case["dtype"], case["layout"])
+        y = nvdnn.conv2d(args["x"], args["w"], bias, out=out, **kwargs)
+        assert y is out
+    else:
+        poison_pool(dims, case["dtype"])
+        y = nvdnn.conv2d(args["x"], args["w"], bias, **kwargs)
+        assert y.shape == dims and (y.strides[1] == y.itemsize) == (case["layout"] == "NHWC" and dims[1] > 1)
+    kind = "tf32" if case["precision"] == "tf32" else case["dtype"]
+    _compare(y, want, kind, f"{case} [{_plan_uris(case, args, kwargs)}]")
+
+
+def test_a_repeat_call_replays_the_same_bits():
+    import cupy
+
+    import nvdnn
+    from nvdnn import callsite
+    case = dict(layer="3x3_64_64", dtype="bfloat16", precision="exact", layout="NHWC", epilogue="bias_relu")
+    args, kwargs, want, dims = _built(case, np.random.default_rng(5))
+    first = nvdnn.conv2d(args["x"], args["w"], args["bias"], **kwargs)
+    hits = callsite.STATS["hits"]
+    again = nvdnn.conv2d(args["x"], args["w"], args["bias"], **kwargs)
+    assert callsite.STATS["hits"] == hits + 1
+    assert bool((first.view(cupy.uint16) == again.view(cupy.uint16)).all())
+    _compare(again, want, "bfloat16", "repeat")
+
+
+@pytest.mark.parametrize("dtype, layout", [("float16", "NHWC"), ("float32", "NCHW")])
+def test_graph_conv_executes_with_its_workspace(dtype, layout):
+    import cupy
+
+    import nvdnn
+    from nvdnn import reference as ref
+    rng = np.random.default_rng(7)
+    x, x64 = _array((2, 5, 13, 11), dtype, layout, rng)
+    w, w64 = _array((7, 5, 3, 3), dtype, layout, rng)
+    b, b64 = _array((7,), dtype, "NCHW", rng)
+    g = nvdnn.Graph(io_data_type=dtype)
+    tx = g.tensor_like(x, name="x")
+    tw, tb = g.tensor_like(w, name="w"), g.tensor_like(b, name="b")
+    ty = g.relu(g.conv_fprop(tx, tw, tb, padding=1, stride=(2, 1)), name="y").set_output(True)
+    g.build()
+    assert "im2col" in g.explain()
+    y = _poisoned(ty.dims, dtype, layout)
+    assert tuple(s // y.itemsize for s in y.strides) == ty.strides
+    workspace = cupy.empty(g.get_workspace_size(), cupy.uint8)
+    g.execute({tx: x, tw: w, tb: b, ty: y}, workspace)
+    _compare(y, ref.conv2d(x64, w64, b64, stride=(2, 1), padding=1, activation="relu"), dtype, g.explain())
