@@ -389,13 +389,21 @@ def test_split_k_plans_relaunched_and_replayed_from_a_graph():
     one kernel at three split counts back to back with fresh inputs and no sync between them,
     the same bits on a rerun, then two launches captured in a CUDA graph replayed twice."""
     import cupy
-    from nvdnn import launcher
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     cases = RELAUNCH_CASES
     plans = [case_plans(c, sms=sms) for c in cases]
     specs = {p.launches[-1].spec for p in plans}
     assert len(specs) == 1 and next(iter(specs)).finish, [p.launches[-1].spec.uri for p in plans]
-    rng = np.random.default_rng(21)
+    relaunch_and_replay(cases, plans, 21, "split-K")
+
+
+def relaunch_and_replay(cases, plans, seed, what):
+    """Runs one kernel's plans back to back with fresh inputs and no sync between them (cases
+    0, 1, 0, 2, 0, 1), checks each against the reference, the same bits on a rerun, then two
+    launches captured in a CUDA graph replayed twice."""
+    import cupy
+    from nvdnn import launcher
+    rng = np.random.default_rng(seed)
     runs = []
     for i in (0, 1, 0, 2, 0, 1):
         built = build(cases[i], rng)
@@ -407,7 +415,7 @@ def test_split_k_plans_relaunched_and_replayed_from_a_graph():
     c, built, plan = runs[0]
     again = cupy.full_like(built["out"], np.nan)
     launcher.run(plan, plan_tensors(built, again))
-    assert (again.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), "split-K gave other bits on a rerun"
+    assert (again.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), f"{what} gave other bits on a rerun"
     outs = [cupy.full_like(built["out"], np.nan) for _ in range(2)]
     workspace = cupy.empty(launcher.scratch_layout(plan)[1], dtype=cupy.uint8)
     stream = cupy.cuda.Stream(non_blocking=True)

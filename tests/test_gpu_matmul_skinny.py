@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from .gpu import requires_gpu
-from .test_gpu_matmul import EPILOGUES, _decode, _name, _tolerance_kind, build, compare, plan_tensors, reference
+from .test_gpu_matmul import EPILOGUES, _decode, _name, _tolerance_kind, build, compare, reference
 
 pytestmark = requires_gpu
 
@@ -91,40 +91,11 @@ def test_split_skinny_relaunched_and_replayed_from_a_graph(b_major):
     between them (common/grid_finish.cuh's counters, reset by each column block's last split),
     the same bits on a rerun, then two launches captured in a CUDA graph, replayed twice."""
     import cupy
-    from nvdnn import launcher
 
-    from .test_gpu_matmul import case_plans
+    from .test_gpu_matmul import case_plans, relaunch_and_replay
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     cases = [c for c in RELAUNCH_CASES if c["b_major"] == b_major]
     plans = [case_plans(c, sms=sms) for c in cases]
     specs = {p.launches[-1].spec for p in plans}
     assert len(specs) == 1 and all(p.launches[-1].grid[1] > 1 for p in plans), [p.launches[-1] for p in plans]
-    rng = np.random.default_rng(23)
-    runs = []
-    for i in (0, 1, 0, 2, 0, 1):
-        built = build(cases[i], rng)
-        launcher.run(plans[i], plan_tensors(built, built["out"]))
-        runs.append((cases[i], built, plans[i]))
-    for c, built, _ in runs:
-        compare(_decode(built["out"], "bfloat16"), reference(c, built)[0], "bfloat16", f"back to back, K {c['k']}",
-                c["k"])
-    c, built, plan = runs[0]
-    again = cupy.full_like(built["out"], np.nan)
-    launcher.run(plan, plan_tensors(built, again))
-    assert (again.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), "skinny split gave other bits"
-    outs = [cupy.full_like(built["out"], np.nan) for _ in range(2)]
-    workspace = cupy.empty(launcher.scratch_layout(plan)[1], dtype=cupy.uint8)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for y in outs:
-            launcher.run(plan, plan_tensors(built, y), workspace=workspace, stream=stream)
-        graph = stream.end_capture()
-    for replay in range(2):
-        with stream:
-            for y in outs:
-                y.fill(np.nan)
-        graph.launch(stream)
-        stream.synchronize()
-        for y in outs:
-            assert (y.view(cupy.uint16) == built["out"].view(cupy.uint16)).all(), f"graph replay {replay}: other bits"
+    relaunch_and_replay(cases, plans, 23, "skinny split")
