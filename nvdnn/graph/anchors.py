@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import DTypeError, ValidationError
+from ..errors import ValidationError
 from . import rules
 from .rules import Rule
 

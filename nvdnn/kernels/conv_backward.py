@@ -44,25 +44,21 @@ class Col2imSpec(KernelSpec):
 
     dtype: str               # dx's
     c_inner: bool            # threads walk C innermost (dx channels-last), else W
-    index: str = "int32"     # "int64" past 2^31 - 1 elements (with the grid's stride)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.c_inner, (False, True), "c_inner")
-        one_of(self.index, ("int32", "int64"), "index")
 
     @property
     def uri(self) -> str:
-        return (f"col2im/{dtypes.BY_NAME[self.dtype].short}.{'c' if self.c_inner else 'w'}"
-                + ("/i64" if self.index == "int64" else ""))
+        return f"col2im/{dtypes.BY_NAME[self.dtype].short}.{'c' if self.c_inner else 'w'}"
 
     @property
     def entry(self) -> str:
         return "nvdnn_col2im"
 
     def render_context(self) -> dict:
-        return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "c_inner": self.c_inner, "block": BLOCK,
-                "index_t": "int" if self.index == "int32" else "long long"}
+        return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "c_inner": self.c_inner, "block": BLOCK}
 
 
 def _types(**ops: Operand) -> str:
@@ -116,10 +112,12 @@ def _pixel_rows(role: str, op: Operand, cv: Conv, ch: int, launches: list, scrat
 def _col2im(dtype: str, cv: Conv, dx_strides, ld: int, columns: tuple, src: str) -> Launch:
     """The launch gathering dcol (at row pitch ``ld``, tap columns at ``columns`` = (r, s, c)
     strides) into dx."""
-    total = cv.n * cv.c * cv.h * cv.w
-    grid = (max(1, min(-(-total // BLOCK), MAX_BLOCKS)), 1, 1)
-    index = "int32" if total + grid[0] * BLOCK <= INT32_MAX else "int64"
-    spec = Col2imSpec(dtype, cv.c > 1 and dx_strides[1] == 1, index)
+    per_image = cv.c * cv.h * cv.w
+    grid = (max(1, min(-(-per_image // BLOCK), MAX_BLOCKS)), min(cv.n, 65535), 1)
+    if per_image + grid[0] * BLOCK > INT32_MAX:   # the last grid-stride step must fit 32 bits too
+        raise UnsupportedError(f"dx: one image of C*H*W = {per_image} elements; dgrad's col2im takes fewer than "
+                               f"2^31 - {grid[0] * BLOCK}")
+    spec = Col2imSpec(dtype, cv.c > 1 and dx_strides[1] == 1)
     args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, cv.p, cv.q, cv.r, cv.s, *cv.padding, *cv.stride,
                                     *cv.dilation)), *(np.int64(v) for v in (*dx_strides, ld, *columns)))
     return Launch(spec, grid, (BLOCK, 1, 1), 0, ("dx", src), args)
