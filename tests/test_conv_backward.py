@@ -41,6 +41,16 @@ def _emulate_col2im(launch, mem):
     dx[n * sn + c * sc + h * sh + w * sw] = acc
 
 
+def _emulate_skinny(launch, mem):
+    """The skinny GEMM (wgrad with K <= 8 output channels): y = alpha * A @ B through its strides."""
+    assert not (launch.spec.bias or launch.spec.residual or launch.spec.epilogue)
+    m, n, k, a_row, a_sk, b_sk, b_sn, _, c_row, c_sn = (int(v) for v in launch.args[:10])
+    a = _read(mem[launch.pointers[1]], (m, k), (a_row, a_sk))
+    b = _read(mem[launch.pointers[2]], (k, n), (b_sk, b_sn))
+    i, j = np.indices((m, n))
+    mem[launch.pointers[0]][i * c_row + j * c_sn] = float(launch.args[11]) * (a @ b)
+
+
 def _run(plan, mem, dy=None):
     for slot, size in enumerate(plan.scratch):
         mem[f"scratch{slot}"] = np.full(size, np.nan)
@@ -51,7 +61,7 @@ def _run(plan, mem, dy=None):
             mem["dbias"] = dy.sum(axis=(0, 2, 3))
             continue
         {"im2col": _emulate_im2col, "repack": _emulate_repack, "matmul": _emulate_gemm,
-         "col2im": _emulate_col2im}[family](launch, mem)
+         "col2im": _emulate_col2im, "matmul_skinny": _emulate_skinny}[family](launch, mem)
 
 
 EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layouts (x and dy, w)
@@ -68,6 +78,8 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((1, 7, 11, 13), (13, 7, 3, 3), 1, 1, 1, "float32", "sm_90", ("NCHW", "NCHW")),   # N = 1, prime channels
     ((1, 7, 11, 13), (13, 7, 3, 3), 2, 0, 2, "float32", "sm_90", ("NHWC", "NHWC")),
     ((4, 16, 32, 32), (32, 16, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NCHW")),  # long N*P*Q: split-K
+    ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # K = 7: wgrad's skinny GEMM
+    ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "bfloat16", "sm_80", ("NCHW", "NCHW")),
 ]
 
 
