@@ -78,6 +78,9 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((1, 7, 11, 13), (13, 7, 3, 3), 1, 1, 1, "float32", "sm_90", ("NCHW", "NCHW")),   # N = 1, prime channels
     ((1, 7, 11, 13), (13, 7, 3, 3), 2, 0, 2, "float32", "sm_90", ("NHWC", "NHWC")),
     ((4, 16, 32, 32), (32, 16, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NCHW")),  # long N*P*Q: split-K
+    ((2, 6, 11, 9), (10, 6, 3, 2), 1, (1, 0), (2, 1), "bfloat16", "sm_90", ("NHWC", "NCHW")),  # dgrad as fprop
+    ((2, 6, 11, 9), (10, 6, 3, 2), 1, (1, 0), (2, 1), "float32", "sm_80", ("NCHW", "NHWC")),
+    ((2, 8, 5, 5), (16, 8, 1, 1), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),    # padded 1x1: col2im
     ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # K = 7: wgrad's skinny GEMM
     ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "bfloat16", "sm_80", ("NCHW", "NCHW")),
 ]
@@ -112,22 +115,38 @@ def test_backward_plans_emulated_match_the_reference(case):
 
 
 def test_a_weight_no_stride_walks_is_reordered_for_dgrad():
-    """w with C outermost: neither (r, s, c) nor (c, r, s) fold, so the forward's reorder runs first."""
+    """w with C outermost: neither (r, s, c) nor (c, r, s) fold, so at stride 2 the forward's
+    reorder runs before the GEMM into columns."""
     xs, ws = (2, 5, 9, 7), (11, 5, 3, 3)
     rng = np.random.default_rng(6)
-    dy, w = rng.standard_normal((2, 11, 9, 7)), rng.standard_normal(ws)
+    dy, w = rng.standard_normal((2, 11, 5, 4)), rng.standard_normal(ws)
     w_strides = (9, 11 * 9, 3, 1)
     mem = {"w": np.zeros(int(np.prod(ws)))}
     k, c, r, s = np.indices(ws)
     mem["w"][k * 9 + c * 99 + r * 3 + s] = w
     mem["dy"], dy_strides = _buffer(dy, "NHWC")
-    plan = cb.plan_conv_dgrad(Operand("float32", dy.shape, dy_strides), Operand("float32", ws, w_strides), xs,
-                              padding=1, arch="sm_90")
-    assert _uris(plan)[0].startswith("im2col/") and plan.launches[0].pointers == ("scratch0", "w")
-    mem["dx"] = np.full(int(np.prod(xs)), np.nan)
-    _run(plan, mem)
-    np.testing.assert_allclose(_read(mem["dx"], xs, conv.packed_strides(xs, "NHWC")),
-                               ref.conv2d_backward_data(dy, w, xs, padding=1), atol=1e-10)
+    for stride, first in ((2, "im2col/"), (1, "im2col/")):
+        if stride == 1:
+            dy = rng.standard_normal((2, 11, 9, 7))
+            mem["dy"], dy_strides = _buffer(dy, "NHWC")
+        plan = cb.plan_conv_dgrad(Operand("float32", dy.shape, dy_strides), Operand("float32", ws, w_strides), xs,
+                                  stride=stride, padding=1, arch="sm_90")
+        assert _uris(plan)[0].startswith(first) and plan.launches[0].pointers == ("scratch0", "w")
+        assert ("col2im" in _uris(plan)[-1]) == (stride == 2)
+        mem["dx"] = np.full(int(np.prod(xs)), np.nan)
+        _run(plan, mem)
+        np.testing.assert_allclose(_read(mem["dx"], xs, conv.packed_strides(xs, "NHWC")),
+                                   ref.conv2d_backward_data(dy, w, xs, stride=stride, padding=1), atol=1e-10)
+
+
+def test_stride_1_dgrad_is_the_forward_over_dy_with_the_flipped_weight():
+    dy, w = _op("float16", (32, 64, 56, 56), "NHWC"), _op("float16", (64, 128, 3, 3), "NHWC")
+    plan = cb.plan_conv_dgrad(dy, w, (32, 128, 56, 56), padding=1, arch="sm_90")
+    flip, gather, gemm = plan.launches
+    assert flip.pointers == ("scratch0", "w") and tuple(int(v) for v in flip.args[8:14]) == (-2, -2, 1, 1, -1, -1)
+    assert gather.spec == conv.Im2colSpec("float16", 8) and gather.pointers == ("scratch1", "dy")
+    assert gemm.spec.kernel == "wgmma" and gemm.pointers == ("dx", "scratch1", "scratch0")
+    assert plan.scratch[1] == 32 * 56 * 56 * 576 * 2    # dy's columns in fp16: half the col2im path's float32
 
 
 # -- planning --------------------------------------------------------------------------------------------

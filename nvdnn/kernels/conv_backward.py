@@ -1,6 +1,8 @@
 """Convolution backward on the forward's GEMM core: the gradients of y = conv(x, w) given dy.
 
-- dgrad, dx = conv^T(dy, w): the GEMM dcol (N*P*Q, R*S*C) = dy (N*P*Q, K) @ w (K, R*S*C) into
+- dgrad, dx = conv^T(dy, w). Stride 1 (with padding <= dil * (R - 1)): the forward conv of dy
+  with w flipped and transposed, reordered by the forward's gather (see _dgrad_as_fprop).
+  Otherwise (ResNet's stride-2 layers): the GEMM dcol (N*P*Q, R*S*C) = dy (N*P*Q, K) @ w (K, R*S*C) into
   float32 plan scratch, then a col2im gather (templates/conv/col2im.cu.j2: each dx element
   sums the taps that read it, in a fixed order: no atomics, deterministic) writing dx through
   its strides. w is read as it lies when its (r, s, c) or (c, r, s) dims fold into one stride
@@ -28,7 +30,7 @@ from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
 from . import matmul, reduce
 from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _fold, _gemm_view, _im2col, _rows, geometry,
-                   output_layout, packed_strides)
+                   output_layout, packed_strides, plan_conv_fprop)
 from .matmul.backward import _renamed
 from .pointwise import Operand
 
@@ -123,6 +125,26 @@ def _col2im(dtype: str, cv: Conv, dx_strides, ld: int, columns: tuple, src: str)
     return Launch(spec, grid, (BLOCK, 1, 1), 0, ("dx", src), args)
 
 
+def _dgrad_as_fprop(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: str, gemm: dict) -> Plan:
+    """Stride 1: dx = conv(dy, w'), the forward over dy with padding dil * (R - 1) - pad and w'
+    (C, K, R, S) = w flipped in (r, s), K and C swapped. The forward's gather makes w' as KRSC
+    rows in scratch: w seen as C images of K channels and R x S pixels, read at dilation -1 from
+    padding -(R - 1) (tap r reads row R - 1 - r). Then the forward plan as it is (gather of dy,
+    GEMM writing dx): half the bytes of the col2im path's float32 columns, and no col2im."""
+    ld = repack.pitch(cv.r * cv.s * cv.k, w.dtype)
+    flip = Conv(cv.c, cv.k, cv.r, cv.s, 1, cv.r, cv.s, 1, 1, (1, 1), (1 - cv.r, 1 - cv.s), (-1, -1), 1)
+    wk, wc, wr, ws = w.strides
+    launch, size = _im2col(w.dtype, Operand(w.dtype, (cv.c, cv.k, cv.r, cv.s), (wc, wk, wr, ws), w.align), flip, ld,
+                           "scratch0", "w")
+    flipped = Operand(w.dtype, (cv.c, cv.k, cv.r, cv.s), (ld, 1, cv.s * cv.k, cv.k))
+    pad = tuple(dil * (tap - 1) - p for p, dil, tap in zip(cv.padding, cv.dilation, (cv.r, cv.s)))
+    plan = plan_conv_fprop(dy, flipped, padding=pad, dilation=cv.dilation, out_dtype=out_dtype,
+                           out_strides=dx_strides, **gemm)
+    launches, scratch = [launch], [size]
+    _gemm(plan, {"y": "dx", "x": "dy", "w": "scratch0"}, launches, scratch)
+    return Plan(tuple(launches), tuple(scratch))
+
+
 def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                     out_dtype: str | None = None, out_strides=None, precision: str = "exact",
                     arch: str | None = None) -> Plan:
@@ -147,6 +169,9 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
         plan = matmul.plan_matmul(_gemm_view("dy", dy, cv, flat, cv.k), b, out_dtype=out_dtype, out_strides=out,
                                   **gemm)
         return Plan(_renamed(plan, {"y": "dx", "a": "dy", "b": "w"}, 0), plan.scratch)
+    if cv.stride == (1, 1) and all(pad <= dil * (tap - 1) for pad, dil, tap in
+                                   zip(cv.padding, cv.dilation, (cv.r, cv.s))):
+        return _dgrad_as_fprop(dy, w, cv, dx_strides, out_dtype, gemm)
     j = cv.r * cv.s * cv.c
     rsc = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     crs = _fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
