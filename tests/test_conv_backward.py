@@ -320,3 +320,13 @@ def test_every_backward_kernel_compiles_and_col2im_does_not_spill(warmed):
     gathers = {k: e for k, e in entries.items() if k[0].startswith("col2im/")}
     assert len(gathers) == 6 * 2   # 3 types x 2 orders, on sm_80 and sm_90
     assert {k for k, e in gathers.items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
+
+
+def test_resnet50_training_warms_every_convs_dgrad_and_wgrad():
+    from nvdnn import models
+    inference = models.plan_model("resnet50", {"batch": "8", "dtype": "fp16"}, ["sm_90"])
+    plan = models.plan_model("resnet50", {"batch": "8", "dtype": "fp16", "training": "1"}, ["sm_90"])
+    assert plan.failed == [] and plan.skipped == {}
+    assert plan.layers == inference.layers + 52 + 53   # dgrad of every conv but the stem's, wgrad of all 53
+    uris = {spec.uri for spec, _ in plan.jobs}
+    assert set(inference.jobs) < set(plan.jobs) and {"col2im/f16.c", "im2col/f16.v1"} <= uris
