@@ -60,7 +60,7 @@ def _gradient(op: str, out: str, other: str, dims: str):
 
     def check(a, m):
         cv = geometry(a, m)
-        _same_type(m, other, "dy")
+        _same_type(m, "dy", other)
         want = (cv.n, cv.k, cv.p, cv.q)
         _need(tuple(m["dy"].dims) == want, "dy", f"has dims {list(m['dy'].dims)}; needs the forward output's "
               f"{list(want)} for {dims}={list(a[dims])}")
