@@ -237,6 +237,18 @@ def _conv2d(size):
                 lambda t, x, w, b: lambda: t.relu(t.nn.functional.conv2d(x, w, b, padding=1)))
 
 
+def _conv2d_backward(size):
+    """dx, dw and dbias of that conv (nvdnn: dgrad's GEMM + col2im, wgrad's gather + GEMM, the
+    dbias sum); PyTorch's convolution_backward with all three outputs asked for."""
+    n_, c, h, w = MAP[size] if size == "mid" else (2, 16, 16, 16)
+    dy, x, wt = Arr((n_, c, h, w), "bfloat16", "NHWC"), Arr((n_, c, h, w), "bfloat16", "NHWC"), Arr(
+        (c, c, 3, 3), "bfloat16", "NHWC")
+    return Case("calls", "conv2d_backward", (dy, x, wt),
+                lambda n, dy, x, w: partial(n.conv2d_backward, dy, x, w, padding=1, needs=("dx", "dw", "dbias")),
+                lambda t, dy, x, w: partial(t.ops.aten.convolution_backward, dy, x, w, [c], [1, 1], [1, 1], [1, 1],
+                                            False, [0, 0], 1, [True, True, True]))
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -247,7 +259,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
         made = [(size, _pointwise(name, size) or _rows_case(name, size) or _map_case(name, size)
                  or (_matmul(size) if name == "matmul" else None)
                  or (_matmul_backward(size) if name == "matmul_backward" else None)
-                 or (_conv2d(size) if name == "conv2d" else None)) for size in sizes]
+                 or (_conv2d(size) if name == "conv2d" else None)
+                 or (_conv2d_backward(size) if name == "conv2d_backward" else None)) for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)
             continue

@@ -7,7 +7,7 @@ from .dtypes import bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32,
 from .functional import (abs, add, bias_act, cast, div, elementwise, elu, exp, gelu, identity, log,
                          maximum, minimum, mul, neg, power, relu, rsqrt, scale, sigmoid, silu, softplus,
                          sqrt, sub, swish, tanh)
-from .functional_conv import conv2d
+from .functional_conv import conv2d, conv2d_backward
 from .functional_matmul import matmul
 from .functional_matmul_backward import matmul_backward
 from .functional_anchors import (amax, avg_pool2d, avg_pool2d_backward, batch_norm, batch_norm_backward,

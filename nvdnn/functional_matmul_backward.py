@@ -24,7 +24,8 @@ def check_matmul_backward(dy, a, b, pre_activation, bias, activation, outs, dtyp
     """Types (dy, a, b and the pre-activation share one of float32 / float16 / bfloat16), shapes
     (dy and the pre-activation have a @ b's), the batch rules, the options and the outputs."""
     metas = {role: checks.describe(x, role) for role, x in (("dy", dy), ("a", a), ("b", b),
-                                                          ("pre_activation", pre_activation)) if x is not None}
+                                                          ("pre_activation", pre_activation))
+             if x is not None or role != "pre_activation"}   # dy, a and b are required: None is refused by name
     for role, meta in metas.items():
         if meta.dtype is not None and meta.dtype not in DTYPES:
             raise DTypeError(f"{role}: data type {meta.dtype}; matmul_backward takes {', '.join(DTYPES)}",
@@ -43,6 +44,8 @@ def check_matmul_backward(dy, a, b, pre_activation, bias, activation, outs, dtyp
     if activation not in (None, "identity") and pre_activation is None:
         raise ValidationError(f"pre_activation: activation {activation!r} needs the saved pre-activation z = a @ b + "
                               "bias (for relu, y itself will do)", arg="pre_activation")
+    if not isinstance(precision, str):
+        raise ValidationError(f"precision: {precision!r} is not a name (\"exact\", \"tf32\", ...)", arg="precision")
     if metas["a"].dtype is not None:
         family.check_precision(precision, metas["a"].dtype)
     for role, like, out in zip(_OUTS, ("a", "b"), outs):

@@ -117,8 +117,20 @@ class Model:
 # run on the blocks' packed arrays (NHWC memory as (N, H, W, C)), as a channels-last program calls
 # nvdnn.elementwise.
 
+def conv(name, x, w, y, attrs, count=1, only=None, dgrad=True) -> tuple:
+    """A conv_fprop row and, where the model's ``training`` is on, its conv_dgrad and conv_wgrad
+    rows (dy in y's dims; dgrad not for the stem, whose input image needs no gradient)."""
+    train = {**(only or {}), "training": True}
+    rows = (layer(name, "conv_fprop", {"x": act(*x), "w": weight(*w)}, attrs, count=count, only=only),)
+    if dgrad:
+        rows += (layer(f"{name} dgrad", "conv_dgrad", {"dy": act(*y), "w": weight(*w)}, {**attrs, "x_dims": x},
+                       count=count, only=train),)
+    return rows + (layer(f"{name} wgrad", "conv_wgrad", {"dy": act(*y), "x": act(*x)}, {**attrs, "w_dims": w},
+                         count=count, only=train),)
+
+
 RESNET50_STEM = (
-    layer("conv1", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7)}, {"stride": 2, "padding": 3}),
+    *conv("conv1", ("n", 3, 224, 224), (64, 3, 7, 7), ("n", 64, 112, 112), {"stride": 2, "padding": 3}, dgrad=False),
     layer("bn1", "batch_norm", {"x": act("n", 64, 112, 112), "mean": f32(64), "var": f32(64), "gamma": f32(64),
                                 "beta": f32(64)}, then=("relu",)),
     layer("maxpool", "max_pool2d", {"x": act("n", 64, 112, 112)}, {"kernel": 3, "stride": 2, "padding": 1}),
@@ -137,16 +149,16 @@ def _bn(c, side, then=(), count="blocks") -> dict:
 # output channels, t the output side, stride s/t. The first block of a stage ("first") has the
 # stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
 RESNET50_BLOCK = (
-    layer("conv1", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1)},
-          {"stride": 1, "padding": 0}, count="blocks"),
+    *conv("conv1", ("n", "i", "s", "s"), ("w", "i", 1, 1), ("n", "w", "s", "s"), {"stride": 1, "padding": 0},
+          count="blocks"),
     layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
-    layer("conv2", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3)},
-          {"stride": "stride", "padding": 1}, count="blocks"),
+    *conv("conv2", ("n", "w", "s", "s"), ("w", "w", 3, 3), ("n", "w", "t", "t"), {"stride": "stride", "padding": 1},
+          count="blocks"),
     layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
-    layer("conv3", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1)},
-          {"stride": 1, "padding": 0}, count="blocks"),
+    *conv("conv3", ("n", "w", "t", "t"), ("o", "w", 1, 1), ("n", "o", "t", "t"), {"stride": 1, "padding": 0},
+          count="blocks"),
     layer("bn3", "batch_norm", **_bn("o", "t")),
-    layer("downsample.conv", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1)},
+    *conv("downsample.conv", ("n", "i", "s", "s"), ("o", "i", 1, 1), ("n", "o", "t", "t"),
           {"stride": "stride", "padding": 0}, only={"block": "first"}),
     layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
     layer("add+relu", "add", {"a": T(("n", "o", "t", "t"), "io", "memory"), "b": T(("n", "o", "t", "t"), "io",
@@ -176,25 +188,29 @@ def _resnet50_layers() -> tuple:
 def _bind(row: Layer, values: dict, prefix: str) -> Layer:
     """A row with the names in ``values`` replaced (dims, attributes, count); others stay symbolic."""
     def sub(v):
-        return values.get(v, v) if isinstance(v, str) else v
+        return values.get(v, v) if isinstance(v, str) else tuple(map(sub, v)) if isinstance(v, tuple) else v
     inputs = tuple((role, replace(t, dims=tuple(sub(d) for d in t.dims))) for role, t in row.inputs)
     return replace(row, name=prefix + row.name, inputs=inputs, attrs=tuple((k, sub(v)) for k, v in row.attrs),
-                   count=sub(row.count), only=())
+                   count=sub(row.count), only=tuple((k, v) for k, v in row.only if k not in values))
 
 
 def _resnet50_variants(p: dict) -> list[dict]:
     auto = {"float32": "NCHW", "float16": "NHWC", "bfloat16": "NHWC"}
     pairs = dict.fromkeys((dt, auto[dt] if lay == "auto" else lay) for dt in p["dtype"] for lay in p["layout"])
-    return [{"n": n, "dtype": dt, "layout": lay} for (dt, lay), n in itertools.product(pairs, p["batch"])]
+    return [{"n": n, "dtype": dt, "layout": lay, "training": p["training"]}
+            for (dt, lay), n in itertools.product(pairs, p["batch"])]
 
 
 RESNET50 = Model(
     "resnet50", "ResNet-50 inference: the convolutions (im2col gather + GEMM; 1x1 stride 1: the GEMM alone), "
-    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b)",
+    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b); "
+    "training=1: the convolutions' dgrad and wgrad too",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
      Param("layout", "choices:auto,NHWC,NCHW", "auto",
-           "image layouts, auto: NHWC for 16-bit types and NCHW for float32")),
+           "image layouts, auto: NHWC for 16-bit types and NCHW for float32"),
+     Param("training", "bool", "0", "also the convolutions' backward: dgrad (GEMM + col2im, or the forward over "
+           "dy at stride 1) and wgrad (gather + split-K GEMM)")),
     _resnet50_layers(), _resnet50_variants)
 
 
@@ -434,6 +450,7 @@ def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = Fa
             if reason is not None:
                 skipped[row.op] = (skipped.get(row.op, (0, reason))[0] + row.count, reason)
                 continue
+            row = _bind(row, values, "")   # names in attributes too (conv_dgrad's x_dims holds the batch)
             tensors = resolve(row, values)
             for arch in archs:
                 key = (row.op, tensors, row.attrs, row.then, arch, candidates)

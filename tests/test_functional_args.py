@@ -66,6 +66,7 @@ GOOD = {
     "matmul": ((ROW, f32(16, 8)), {}),
     "conv2d": ((X, f32(3, 4, 3, 3), f32(3)), {"padding": 1, "activation": "relu"}),
     "matmul_backward": ((f32(8, 8), ROW, f32(16, 8)), {"bias": True}),
+    "conv2d_backward": ((f32(2, 3, 6, 6), X, f32(3, 4, 3, 3), 1, 1), {"needs": ("dx", "dw", "dbias")}),
 }
 STEPS = [("add", "x1"), ("gelu", "")]
 
@@ -122,6 +123,16 @@ SPECIFIC = {
                (("kwargs", {"precision": "tf33"}), ValidationError, ["precision"]),
                (("kwargs", {"activation": "nope"}), ValidationError, ["activation"]),
                (("args", (f32(4, 6, 6), f32(3, 4, 3, 3))), ValidationError, ["'x'", "rank 4"])],
+    "conv2d_backward": [(("args", (f32(2, 3, 4, 4), X, f32(3, 4, 3, 3), 1, 1)), ValidationError,
+                         ["'dy' has dims", "[2, 3, 6, 6]"]),
+                        (("args", (f32(2, 3, 6, 6), X, f32(3, 2, 3, 3), 1, 1)), ValidationError, ["'w' dim 1"]),
+                        (("args", (f32(2, 3, 6, 6).astype(np.float16), X, f32(3, 4, 3, 3), 1, 1)), DTypeError,
+                         ["'dy'"]),
+                        (("kwargs", {"needs": ("dx", "dgrad")}), ValidationError, ["needs"]),
+                        (("kwargs", {"needs": ()}), ValidationError, ["needs"]),
+                        (("args", (f32(2, 4, 6, 6), X, f32(4, 2, 3, 3), 1, 1, 1, 2)), UnsupportedError,
+                         ["groups > 1"]),
+                        (("kwargs", {"out_dw": f32(3, 4, 3, 2)}), ValidationError, ["out_dw", "(3, 4, 3, 3)"])],
     "matmul_backward": [(("args", (f32(8, 9), ROW, f32(16, 8))), ValidationError, ["dy: shape (8, 9)", "a @ b"]),
                         (("kwargs", {"activation": "gelu"}), ValidationError, ["pre_activation", "gelu"]),
                         (("kwargs", {"bias": 1}), ValidationError, ["bias=1"]),

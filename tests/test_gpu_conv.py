@@ -2,7 +2,8 @@
 layers at batch 2 (1x1 64->256 @56, 3x3 64->64 pad 1, 3x3 stride 2, the 7x7 stride-2 stem with
 C = 3, a 1x1 stride-2 downsample) and odd ones (13x11 images, C = 5, K = 7, dilation), NHWC (KRSC
 weights) and NCHW (KCRS), fp16 / bf16 / fp32 exact and tf32, with bias + ReLU and a residual;
-then the graph op executed with a workspace, and a repeat call through the call-site fast path.
+then the graph op executed with a workspace, and a repeat call through the call-site fast path;
+and the backward (nvdnn.conv2d_backward, conv_dgrad, conv_wgrad) the same way, and against torch.
 A failure names the case, the plan's kernels, the worst error and its bound."""
 from __future__ import annotations
 
@@ -149,3 +150,109 @@ def test_graph_conv_executes_with_its_workspace(dtype, layout):
     workspace = cupy.empty(g.get_workspace_size(), cupy.uint8)
     g.execute({tx: x, tw: w, tb: b, ty: y}, workspace)
     _compare(y, ref.conv2d(x64, w64, b64, stride=(2, 1), padding=1, activation="relu"), dtype, g.explain())
+
+
+# -- backward: nvdnn.conv2d_backward and the graph ops conv_dgrad / conv_wgrad ----------------------------
+# dx, dw and dbias of every layer above, in every type and both layouts, against the float64
+# references (and torch.nn.grad's where torch imports), outputs NaN-poisoned first.
+
+BACKWARD_CASES = [dict(layer=name, dtype=dt, precision=pr, layout=layout, out=(i + j + k) % 2 == 0)
+                  for i, name in enumerate(LAYERS) for j, (dt, pr) in enumerate(PRECISIONS)
+                  for k, layout in enumerate(("NHWC", "NCHW"))]
+
+
+def _backward_inputs(case, rng):
+    n, c, h, w, k, r, s, stride, padding, dilation = LAYERS[case["layer"]]
+    from nvdnn import reference as ref
+    dt, layout = case["dtype"], case["layout"]
+    x, x64 = _array((n, c, h, w), dt, layout, rng)
+    wt, w64 = _array((k, c, r, s), dt, layout, rng)
+    p, q = ref.conv2d_output_size((n, c, h, w), (k, c, r, s), stride, padding, dilation)
+    dy, dy64 = _array((n, k, p, q), dt, layout, rng)
+    attrs = dict(stride=stride, padding=padding, dilation=dilation)
+    want = {"dx": ref.conv2d_backward_data(dy64, w64, (n, c, h, w), **attrs),
+            "dw": ref.conv2d_backward_weight(dy64, x64, (k, c, r, s), **attrs), "dbias": dy64.sum(axis=(0, 2, 3))}
+    return (dy, x, wt), (dy64, x64, w64), attrs, want
+
+
+def _backward_uris() -> str:
+    from nvdnn import functional_conv
+    plans = list(functional_conv._BACKWARD_PLANS.values())
+    return " -> ".join(launch.spec.uri for launch in plans[-1].launches) if plans else "?"
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=[f"{c['layer']}-{c['dtype']}-{c['precision']}-{c['layout']}"
+                                                      for c in BACKWARD_CASES])
+def test_conv2d_backward_matches_the_reference(case):
+    import nvdnn
+    from .gpu import poison_pool
+    rng = np.random.default_rng(abs(hash(str(case))) % 2 ** 32)
+    (dy, x, w), _, attrs, want = _backward_inputs(case, rng)
+    outs = {}
+    if case["out"]:
+        outs = {"out_dx": _poisoned(x.shape, case["dtype"], case["layout"]),
+                "out_dw": _poisoned(w.shape, case["dtype"], case["layout"])}
+    else:
+        poison_pool(x.shape, case["dtype"])
+    got = nvdnn.conv2d_backward(dy, x, w, needs=("dx", "dw", "dbias"), precision=case["precision"], **attrs, **outs)
+    if outs:
+        assert got[0] is outs["out_dx"] and got[1] is outs["out_dw"]
+    else:
+        assert got[0].strides == x.strides and got[1].strides == w.strides   # packed in x's / w's layout
+    kind = "tf32" if case["precision"] == "tf32" else case["dtype"]
+    for name, value in zip(("dx", "dw", "dbias"), got):
+        _compare(value, want[name], kind, f"{name} of {case} [{_backward_uris()}]")
+
+
+@pytest.mark.parametrize("layer", ["3x3_s2", "stem_7x7_s2", "odd_dilated", "1x1_s2"])
+def test_conv2d_backward_matches_torch(layer):
+    torch = pytest.importorskip("torch")
+    import nvdnn
+    case = dict(layer=layer, dtype="float32", precision="exact", layout="NCHW")
+    (dy, x, w), (dy64, x64, w64), attrs, _ = _backward_inputs(case, np.random.default_rng(11))
+    dx, dw, _ = nvdnn.conv2d_backward(dy, x, w, **attrs)
+    t = {k: torch.from_numpy(v) for k, v in (("dy", dy64), ("x", x64), ("w", w64))}
+    want_dx = torch.nn.grad.conv2d_input(x64.shape, t["w"], t["dy"], **attrs).numpy()
+    want_dw = torch.nn.grad.conv2d_weight(t["x"], w64.shape, t["dy"], **attrs).numpy()
+    _compare(dx, want_dx, "float32", f"dx vs torch, {layer}")
+    _compare(dw, want_dw, "float32", f"dw vs torch, {layer}")
+
+
+def test_conv2d_backward_needs_picks_the_outputs_and_repeats_bit_for_bit():
+    import cupy
+
+    import nvdnn
+    from nvdnn import callsite
+    case = dict(layer="3x3_s2", dtype="bfloat16", precision="exact", layout="NHWC")
+    (dy, x, w), _, attrs, want = _backward_inputs(case, np.random.default_rng(12))
+    dx, dw, db = nvdnn.conv2d_backward(dy, x, w, needs=("dw",), **attrs)
+    assert dx is None and db is None
+    _compare(dw, want["dw"], "bfloat16", "dw alone")
+    first = nvdnn.conv2d_backward(dy, x, w, needs="dx", **attrs)[0]
+    hits = callsite.STATS["hits"]
+    again = nvdnn.conv2d_backward(dy, x, w, needs="dx", **attrs)[0]
+    assert callsite.STATS["hits"] == hits + 1
+    assert bool((first.view(cupy.uint16) == again.view(cupy.uint16)).all())   # col2im: no atomics
+    _compare(again, want["dx"], "bfloat16", "dx alone, repeated")
+
+
+@pytest.mark.parametrize("dtype, layout", [("float16", "NHWC"), ("float32", "NCHW")])
+def test_graph_conv_dgrad_and_wgrad_execute_with_their_workspace(dtype, layout):
+    import cupy
+
+    import nvdnn
+    case = dict(layer="odd_dilated", dtype=dtype, precision="exact", layout=layout)
+    (dy, x, w), _, attrs, want = _backward_inputs(case, np.random.default_rng(13))
+    g = nvdnn.Graph(io_data_type=dtype)
+    tdy, tx, tw = g.tensor_like(dy, name="dy"), g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    tdx = g.conv_dgrad(tdy, tw, x_dims=x.shape, name="dx", **attrs).set_output(True)
+    tdw = g.conv_wgrad(tdy, tx, w_dims=w.shape, name="dw", **attrs).set_output(True)
+    g.build()
+    assert "col2im" in g.explain()
+    dx, dw = _poisoned(x.shape, dtype, layout), _poisoned(w.shape, dtype, layout)
+    assert tuple(s // dx.itemsize for s in dx.strides) == tdx.strides
+    assert tuple(s // dw.itemsize for s in dw.strides) == tdw.strides
+    workspace = cupy.empty(g.get_workspace_size(), cupy.uint8)
+    g.execute({tdy: dy, tx: x, tw: w, tdx: dx, tdw: dw}, workspace)
+    _compare(dx, want["dx"], dtype, "graph dx: " + g.explain())
+    _compare(dw, want["dw"], dtype, "graph dw: " + g.explain())

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..errors import DTypeError, ValidationError
+from ..errors import ValidationError
 from . import rules
 from .rules import Rule
 
@@ -500,45 +500,5 @@ def _matmul_backward(bias: bool) -> AnchorOp:
 register(_matmul_backward(False), _matmul_backward(True))
 
 
-# -- convolution: y = conv(x, w) + bias[k] + residual, as a GEMM (kernels/conv.py) ------------------
-from ..kernels import conv  # noqa: E402
-
-_CONV_ATTRS = (("stride", 1, rules.int_pair(1)), ("padding", 0, rules.int_pair(0)), ("dilation", 1, rules.int_pair(1)),
-               ("groups", 1, rules.integer(1)), _MATMUL_ATTRS[-1])
-
-
-def _conv_geometry(a, m):
-    return conv.geometry(m["x"].dims, m["w"].dims, a["stride"], a["padding"], a["dilation"], a["groups"])
-
-
-def _conv_check(a, m):
-    """Rank 4 x and w whose channels agree (C = w's C * groups), an output of one pixel or more;
-    bias one value per output channel, residual y's dims."""
-    cv = _conv_geometry(a, m)
-    if m["x"].data_type and m["w"].data_type and m["x"].data_type != m["w"].data_type:
-        raise DTypeError(f"'w' is {m['w'].data_type}; needs x's {m['x'].data_type} (one input type a conv)", arg="w")
-    if "bias" in m:
-        _need(tuple(m["bias"].dims) == (cv.k,), "bias", f"has dims {list(m['bias'].dims)}; needs ({cv.k},), one value "
-              "per output channel (w's dim 0)")
-    if "residual" in m:
-        want = (cv.n, cv.k, cv.p, cv.q)
-        _need(tuple(m["residual"].dims) == want, "residual", f"has dims {list(m['residual'].dims)}; needs y's "
-              f"{list(want)}")
-
-
-def _conv_infer(a, m):
-    cv = _conv_geometry(a, m)
-    dims = (cv.n, cv.k, cv.p, cv.q)
-    return [Meta(dims, conv.packed_strides(dims, conv.output_layout(m["x"].strides, cv.c)), None)]
-
-
-register(
-    AnchorOp("conv_fprop", "conv", ("x", "w", "bias?", "residual?"), ("y",), _CONV_ATTRS, _conv_infer,
-             lambda a, o, e: conv.plan_conv_fprop(
-                 o["x"], o["w"], bias=o.get("bias"), residual=o.get("residual"), stride=a["stride"],
-                 padding=a["padding"], dilation=a["dilation"], groups=a["groups"], epilogue=e.steps, params=e.params,
-                 out_dtype=e.out_dtype, out_align=e.out_align, precision=a["precision"], arch=e.arch, tile=e.tile),
-             lambda a, v: (ref.conv2d(v["x"], v["w"], v.get("bias"), a["stride"], a["padding"], a["dilation"],
-                                      a["groups"], residual=v.get("residual")),),
-             check=_conv_check),
-)
+# -- convolution: fprop, dgrad, wgrad (their rows: graph/anchors_conv.py) --------------------------
+from . import anchors_conv  # noqa: E402,F401

@@ -110,6 +110,16 @@ def int_pair(low: int) -> Rule:
     return Rule(f"an int >= {low} or a pair of them (H, W)", accept)
 
 
+def ints(count: int, low: int) -> Rule:
+    """``count`` ints, each >= ``low`` (a tensor's dims)."""
+    def accept(value):
+        if not isinstance(value, (tuple, list)) or len(value) != count:
+            raise _Broken
+        return tuple(integer(low).accept(v) for v in value)
+
+    return Rule(f"{count} ints >= {low}", accept)
+
+
 def _axes(value):
     if value is None:
         return None

@@ -244,7 +244,13 @@ def candidates(spec) -> list:
 
 
 def unsupported_reason(spec, arch: str) -> str | None:
-    return None if isinstance(spec, Im2colSpec) else matmul.unsupported_reason(spec, arch)
+    """The gathers run anywhere; dbias's sum (conv_backward) is the reduce family's; the rest the GEMM's."""
+    if spec.family in ("im2col", "col2im"):
+        return None
+    if spec.family.startswith("reduce_"):
+        from . import reduce
+        return reduce.unsupported_reason(spec, arch)
+    return matmul.unsupported_reason(spec, arch)
 
 
 # ResNet-50's conv shapes (x (C, H), w (K, R), stride, padding) and an odd one: what `nvdnn warm
@@ -269,3 +275,6 @@ def preset() -> list:
                                        arch=arch)
                 specs.update(dict.fromkeys(launch.spec for launch in plan.launches))
     return list(specs)
+
+
+from . import conv_backward  # noqa: E402,F401  (its Col2imSpec registered with the family)

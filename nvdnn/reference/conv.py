@@ -85,3 +85,12 @@ def conv2d_backward_weight(dy, x, w_shape, stride=1, padding=0, dilation=1, grou
             dw[:, :, :, r, s] = np.einsum("ngkpq,ngcpq->gkc", dyg,
                                           _grouped(_tap(xp, r, s, out, stride, dilation), groups))
     return dw.reshape(w_shape)
+
+
+def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, groups=1, *, needs=("dx", "dw"), precision="exact"):
+    """nvdnn.conv2d_backward's (dx, dw, dbias) in float64, None where ``needs`` leaves one out."""
+    needs = (needs,) if isinstance(needs, str) else tuple(needs)
+    attrs = (stride, padding, dilation, groups)
+    return (conv2d_backward_data(dy, w, np.shape(x), *attrs) if "dx" in needs else None,
+            conv2d_backward_weight(dy, x, np.shape(w), *attrs) if "dw" in needs else None,
+            _f64(dy).sum(axis=(0, 2, 3)) if "dbias" in needs else None)
