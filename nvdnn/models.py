@@ -117,10 +117,19 @@ class Model:
 # run on the blocks' packed arrays (NHWC memory as (N, H, W, C)), as a channels-last program calls
 # nvdnn.elementwise.
 
+# bn=separate: each step its own call (conv2d, batch_norm, add + ReLU, matmul), as a program calls
+# them. bn=folded: one graph with each BN folded into its conv's weight and bias on the host (what
+# examples/resnet50.py builds): conv + bias + ReLU, conv + bias + residual + ReLU (the fused add),
+# the downsample conv + bias, the fc layer as a 1x1 conv.
+SEPARATE, FOLDED = {"bn": "separate"}, {"bn": "folded"}
+
 RESNET50_STEM = (
-    layer("conv1", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7)}, {"stride": 2, "padding": 3}),
+    layer("conv1", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7)}, {"stride": 2, "padding": 3},
+          only=SEPARATE),
     layer("bn1", "batch_norm", {"x": act("n", 64, 112, 112), "mean": f32(64), "var": f32(64), "gamma": f32(64),
-                                "beta": f32(64)}, then=("relu",)),
+                                "beta": f32(64)}, then=("relu",), only=SEPARATE),
+    layer("conv1+bn1+relu", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7), "bias": f32(64)},
+          {"stride": 2, "padding": 3}, then=("relu",), only=FOLDED),
     layer("maxpool", "max_pool2d", {"x": act("n", 64, 112, 112)}, {"kernel": 3, "stride": 2, "padding": 1}),
 )
 
@@ -128,9 +137,9 @@ RESNET50_STEM = (
 RESNET50_STAGES = ((3, 64, 256, 56, 56), (4, 128, 512, 56, 28), (6, 256, 1024, 28, 14), (3, 512, 2048, 14, 7))
 
 
-def _bn(c, side, then=(), count="blocks") -> dict:
+def _bn(c, side, then=(), count="blocks", only=SEPARATE) -> dict:
     return dict(inputs={"x": act("n", c, side, side), "mean": f32(c), "var": f32(c), "gamma": f32(c),
-                        "beta": f32(c)}, then=then, count=count)
+                        "beta": f32(c)}, then=then, count=count, only=only)
 
 
 # One bottleneck block; names: i the block's input channels, s its input side, w the width, o the
@@ -138,25 +147,37 @@ def _bn(c, side, then=(), count="blocks") -> dict:
 # stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
 RESNET50_BLOCK = (
     layer("conv1", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1)},
-          {"stride": 1, "padding": 0}, count="blocks"),
+          {"stride": 1, "padding": 0}, count="blocks", only=SEPARATE),
     layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
     layer("conv2", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3)},
-          {"stride": "stride", "padding": 1}, count="blocks"),
+          {"stride": "stride", "padding": 1}, count="blocks", only=SEPARATE),
     layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
     layer("conv3", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1)},
-          {"stride": 1, "padding": 0}, count="blocks"),
+          {"stride": 1, "padding": 0}, count="blocks", only=SEPARATE),
     layer("bn3", "batch_norm", **_bn("o", "t")),
     layer("downsample.conv", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1)},
-          {"stride": "stride", "padding": 0}, only={"block": "first"}),
-    layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
+          {"stride": "stride", "padding": 0}, only={"block": "first", **SEPARATE}),
+    layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1, only={"block": "first", **SEPARATE})),
     layer("add+relu", "add", {"a": T(("n", "o", "t", "t"), "io", "memory"), "b": T(("n", "o", "t", "t"), "io",
                                                                                    "memory")},
-          then=("relu",), count="blocks"),
+          then=("relu",), count="blocks", only=SEPARATE),
+    layer("conv1+bn1+relu", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1), "bias": f32("w")},
+          {"stride": 1, "padding": 0}, then=("relu",), count="blocks", only=FOLDED),
+    layer("conv2+bn2+relu", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3), "bias": f32("w")},
+          {"stride": "stride", "padding": 1}, then=("relu",), count="blocks", only=FOLDED),
+    layer("conv3+bn3+add+relu", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1),
+                                               "bias": f32("o"), "residual": act("n", "o", "t", "t")},
+          {"stride": 1, "padding": 0}, then=("relu",), count="blocks", only=FOLDED),
+    layer("downsample.conv+bn", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1),
+                                               "bias": f32("o")},
+          {"stride": "stride", "padding": 0}, only={"block": "first", **FOLDED}),
 )
 
 RESNET50_HEAD = (
     layer("avgpool", "global_avg_pool2d", {"x": act("n", 2048, 7, 7)}),
-    layer("fc", "matmul", {"a": io("n", 2048), "b": linear_weight(2048, 1000), "bias": io(1000)}),
+    layer("fc", "matmul", {"a": io("n", 2048), "b": linear_weight(2048, 1000), "bias": io(1000)}, only=SEPARATE),
+    layer("fc", "conv_fprop", {"x": act("n", 2048, 1, 1), "w": weight(1000, 2048, 1, 1), "bias": f32(1000)},
+          only=FOLDED),
 )
 
 
@@ -179,22 +200,27 @@ def _bind(row: Layer, values: dict, prefix: str) -> Layer:
         return values.get(v, v) if isinstance(v, str) else v
     inputs = tuple((role, replace(t, dims=tuple(sub(d) for d in t.dims))) for role, t in row.inputs)
     return replace(row, name=prefix + row.name, inputs=inputs, attrs=tuple((k, sub(v)) for k, v in row.attrs),
-                   count=sub(row.count), only=())
+                   count=sub(row.count), only=tuple((k, v) for k, v in row.only if k not in values))
 
 
 def _resnet50_variants(p: dict) -> list[dict]:
     auto = {"float32": "NCHW", "float16": "NHWC", "bfloat16": "NHWC"}
     pairs = dict.fromkeys((dt, auto[dt] if lay == "auto" else lay) for dt in p["dtype"] for lay in p["layout"])
-    return [{"n": n, "dtype": dt, "layout": lay} for (dt, lay), n in itertools.product(pairs, p["batch"])]
+    return [{"n": n, "dtype": dt, "layout": lay, "bn": bn}
+            for (dt, lay), n, bn in itertools.product(pairs, p["batch"], p["bn"])]
 
 
 RESNET50 = Model(
     "resnet50", "ResNet-50 inference: the convolutions (im2col gather + GEMM; 1x1 stride 1: the GEMM alone), "
-    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b)",
+    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b); "
+    "with bn=folded the convs carry the folded BN's bias, ReLU and the residual add",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
      Param("layout", "choices:auto,NHWC,NCHW", "auto",
-           "image layouts, auto: NHWC for 16-bit types and NCHW for float32")),
+           "image layouts, auto: NHWC for 16-bit types and NCHW for float32"),
+     Param("bn", "choices:separate,folded", "separate,folded",
+           "separate: conv, batch norm, add + ReLU, matmul as separate calls; folded: BN folded into each conv "
+           "(conv + bias + ReLU, conv + bias + residual + ReLU, fc as a 1x1 conv), as examples/resnet50.py")),
     _resnet50_layers(), _resnet50_variants)
 
 
