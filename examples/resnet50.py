@@ -266,6 +266,7 @@ def torch_timings(forward, xt, iters: int, compile_too: bool) -> dict:
             out["torch eager + CUDA graph"] = f"failed: {type(exc).__name__}: {exc}"[:120]
         if compile_too:
             try:
+                torch._dynamo.reset()   # a fresh, static-shape compile for each batch size
                 compiled = torch.compile(forward)
                 out["torch.compile"] = elapsed_ms(lambda: compiled(xt), iters, warmup=5)
             except Exception as exc:  # noqa: BLE001
@@ -390,8 +391,13 @@ def main(argv=None) -> int:
                 print(g.explain())
         return 0
     import cupy
+    try:
+        device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception as exc:  # noqa: BLE001 - no driver, no device
+        print(f"no usable CUDA GPU ({exc}); --explain plans without one", file=sys.stderr)
+        return 2
     torch = torch_module()
-    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, cupy {cupy.__version__}, torch "
+    print(f"{device}, cupy {cupy.__version__}, torch "
           f"{torch.__version__ if torch is not None else 'none'}, nvdnn {nvdnn.__version__}")
     params = init_params()
     first = input_images(max(1, min(args.ref_images, max(args.batch))), args.dtype)   # each batch's first images
