@@ -85,6 +85,16 @@ def test_resnet50_plans_deviceless_as_56_kernel_groups():
     assert len(resnet50.conv_layers()) == 54
 
 
+def test_the_explain_mode_runs_without_a_gpu():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "resnet50.py"), "--explain", "--batch", "1,8",
+                           "--arch", "sm_90a"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("121 ops in 56 kernel groups") == 2 and "16 x conv_fprop -> add -> relu" in done.stdout
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_reduced_network_means_the_unfolded_model(dtype):
     """The graph's float64 reference (execute backend="numpy") with BN folded on the host against
