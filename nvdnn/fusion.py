@@ -10,7 +10,9 @@ unary / scalar pointwise nodes after its main output (the epilogue) and, for ops
 residual, the ``add`` that feeds its ``x`` (the prologue). Its other outputs (saved statistics)
 are written too, to the workspace when virtual. A whole-tensor reduction of the group's output
 that the anchor ``folds`` (matmul: amax) joins the group as one more output: the kernel reduces
-the values as it writes them, with no second pass.
+the values as it writes them, with no second pass. An anchor whose ``output_residual`` names a
+role (conv: y = act(conv + bias + r)) takes, as that role, the tensor of an ``add`` that is the
+first op after its main output: conv -> add(r) -> relu is one kernel.
 """
 from __future__ import annotations
 
@@ -93,6 +95,16 @@ def _fits_epilogue(group: KernelGroup, node, position: int) -> bool:
             and len(node.inputs) == 1 and position == 0)
 
 
+def _fits_residual(group: KernelGroup, node, position: int) -> bool:
+    """``node`` adds a second tensor of the same dims to an anchor's bare main output and the
+    anchor has an unused role for it: the kernel adds it before its epilogue."""
+    role = ANCHORS[group.anchor.op].output_residual
+    if role is None or role in group.roles or len(group.nodes) != 1 or node.op != "add" or len(node.inputs) != 2:
+        return False
+    other = node.inputs[1 - position]
+    return other is not group.output and other.dims == group.output.dims
+
+
 def _anchor_group(node, consumers, open_chain, groups) -> KernelGroup:
     schema = ANCHORS[node.op]
     group = KernelGroup(schema.family, nodes=[node], anchor=node)
@@ -140,7 +152,12 @@ def partition(nodes, consumers) -> list[KernelGroup]:
             group = open_chain.get(tensor.uid)
             if group is None or not _private(tensor, consumers, node.output.dims) or node.inputs.count(tensor) != 1:
                 continue
-            if group.anchor is not None:
+            if group.anchor is not None and _fits_residual(group, node, position):
+                other = node.inputs[1 - position]
+                group.roles = {**group.roles, ANCHORS[group.anchor.op].output_residual: other}
+                group.inputs = list(dict.fromkeys([*group.inputs, other]))
+                group.nodes.append(node)
+            elif group.anchor is not None:
                 if not _fits_epilogue(group, node, position):
                     continue
                 group.steps.append((SCHEMAS[node.op].kernel_op, "" if not node.params or

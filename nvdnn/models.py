@@ -117,6 +117,14 @@ class Model:
 # run on the blocks' packed arrays (NHWC memory as (N, H, W, C)), as a channels-last program calls
 # nvdnn.elementwise.
 
+# bn=separate: each step its own call (conv2d, batch_norm, add + ReLU, matmul), as a program calls
+# them. bn=folded: one graph with each BN folded into its conv's weight and bias on the host (what
+# examples/resnet50.py builds): conv + bias + ReLU, conv + bias + residual + ReLU (the fused add),
+# the downsample conv + bias, the fc layer as a 1x1 conv. training=1 (with bn=separate): each
+# conv's dgrad and wgrad too.
+SEPARATE, FOLDED = {"bn": "separate"}, {"bn": "folded"}
+
+
 def conv(name, x, w, y, attrs, count=1, only=None, dgrad=True) -> tuple:
     """A conv_fprop row and, where the model's ``training`` is on, its conv_dgrad and conv_wgrad
     rows (dy in y's dims; dgrad not for the stem, whose input image needs no gradient)."""
@@ -130,9 +138,12 @@ def conv(name, x, w, y, attrs, count=1, only=None, dgrad=True) -> tuple:
 
 
 RESNET50_STEM = (
-    *conv("conv1", ("n", 3, 224, 224), (64, 3, 7, 7), ("n", 64, 112, 112), {"stride": 2, "padding": 3}, dgrad=False),
+    *conv("conv1", ("n", 3, 224, 224), (64, 3, 7, 7), ("n", 64, 112, 112), {"stride": 2, "padding": 3}, dgrad=False,
+          only=SEPARATE),
     layer("bn1", "batch_norm", {"x": act("n", 64, 112, 112), "mean": f32(64), "var": f32(64), "gamma": f32(64),
-                                "beta": f32(64)}, then=("relu",)),
+                                "beta": f32(64)}, then=("relu",), only=SEPARATE),
+    layer("conv1+bn1+relu", "conv_fprop", {"x": act("n", 3, 224, 224), "w": weight(64, 3, 7, 7), "bias": f32(64)},
+          {"stride": 2, "padding": 3}, then=("relu",), only=FOLDED),
     layer("maxpool", "max_pool2d", {"x": act("n", 64, 112, 112)}, {"kernel": 3, "stride": 2, "padding": 1}),
 )
 
@@ -140,9 +151,9 @@ RESNET50_STEM = (
 RESNET50_STAGES = ((3, 64, 256, 56, 56), (4, 128, 512, 56, 28), (6, 256, 1024, 28, 14), (3, 512, 2048, 14, 7))
 
 
-def _bn(c, side, then=(), count="blocks") -> dict:
+def _bn(c, side, then=(), count="blocks", only=SEPARATE) -> dict:
     return dict(inputs={"x": act("n", c, side, side), "mean": f32(c), "var": f32(c), "gamma": f32(c),
-                        "beta": f32(c)}, then=then, count=count)
+                        "beta": f32(c)}, then=then, count=count, only=only)
 
 
 # One bottleneck block; names: i the block's input channels, s its input side, w the width, o the
@@ -150,25 +161,37 @@ def _bn(c, side, then=(), count="blocks") -> dict:
 # stride and the downsample branch; the other blocks ("rest") have i = o and s = t.
 RESNET50_BLOCK = (
     *conv("conv1", ("n", "i", "s", "s"), ("w", "i", 1, 1), ("n", "w", "s", "s"), {"stride": 1, "padding": 0},
-          count="blocks"),
+          count="blocks", only=SEPARATE),
     layer("bn1", "batch_norm", **_bn("w", "s", ("relu",))),
     *conv("conv2", ("n", "w", "s", "s"), ("w", "w", 3, 3), ("n", "w", "t", "t"), {"stride": "stride", "padding": 1},
-          count="blocks"),
+          count="blocks", only=SEPARATE),
     layer("bn2", "batch_norm", **_bn("w", "t", ("relu",))),
     *conv("conv3", ("n", "w", "t", "t"), ("o", "w", 1, 1), ("n", "o", "t", "t"), {"stride": 1, "padding": 0},
-          count="blocks"),
+          count="blocks", only=SEPARATE),
     layer("bn3", "batch_norm", **_bn("o", "t")),
     *conv("downsample.conv", ("n", "i", "s", "s"), ("o", "i", 1, 1), ("n", "o", "t", "t"),
-          {"stride": "stride", "padding": 0}, only={"block": "first"}),
-    layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1), only={"block": "first"}),
+          {"stride": "stride", "padding": 0}, only={"block": "first", **SEPARATE}),
+    layer("downsample.bn", "batch_norm", **_bn("o", "t", count=1, only={"block": "first", **SEPARATE})),
     layer("add+relu", "add", {"a": T(("n", "o", "t", "t"), "io", "memory"), "b": T(("n", "o", "t", "t"), "io",
                                                                                    "memory")},
-          then=("relu",), count="blocks"),
+          then=("relu",), count="blocks", only=SEPARATE),
+    layer("conv1+bn1+relu", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("w", "i", 1, 1), "bias": f32("w")},
+          {"stride": 1, "padding": 0}, then=("relu",), count="blocks", only=FOLDED),
+    layer("conv2+bn2+relu", "conv_fprop", {"x": act("n", "w", "s", "s"), "w": weight("w", "w", 3, 3), "bias": f32("w")},
+          {"stride": "stride", "padding": 1}, then=("relu",), count="blocks", only=FOLDED),
+    layer("conv3+bn3+add+relu", "conv_fprop", {"x": act("n", "w", "t", "t"), "w": weight("o", "w", 1, 1),
+                                               "bias": f32("o"), "residual": act("n", "o", "t", "t")},
+          {"stride": 1, "padding": 0}, then=("relu",), count="blocks", only=FOLDED),
+    layer("downsample.conv+bn", "conv_fprop", {"x": act("n", "i", "s", "s"), "w": weight("o", "i", 1, 1),
+                                               "bias": f32("o")},
+          {"stride": "stride", "padding": 0}, only={"block": "first", **FOLDED}),
 )
 
 RESNET50_HEAD = (
     layer("avgpool", "global_avg_pool2d", {"x": act("n", 2048, 7, 7)}),
-    layer("fc", "matmul", {"a": io("n", 2048), "b": linear_weight(2048, 1000), "bias": io(1000)}),
+    layer("fc", "matmul", {"a": io("n", 2048), "b": linear_weight(2048, 1000), "bias": io(1000)}, only=SEPARATE),
+    layer("fc", "conv_fprop", {"x": act("n", 2048, 1, 1), "w": weight(1000, 2048, 1, 1), "bias": f32(1000)},
+          only=FOLDED),
 )
 
 
@@ -197,18 +220,22 @@ def _bind(row: Layer, values: dict, prefix: str) -> Layer:
 def _resnet50_variants(p: dict) -> list[dict]:
     auto = {"float32": "NCHW", "float16": "NHWC", "bfloat16": "NHWC"}
     pairs = dict.fromkeys((dt, auto[dt] if lay == "auto" else lay) for dt in p["dtype"] for lay in p["layout"])
-    return [{"n": n, "dtype": dt, "layout": lay, "training": p["training"]}
-            for (dt, lay), n in itertools.product(pairs, p["batch"])]
+    return [{"n": n, "dtype": dt, "layout": lay, "bn": bn, "training": p["training"]}
+            for (dt, lay), n, bn in itertools.product(pairs, p["batch"], p["bn"])]
 
 
 RESNET50 = Model(
     "resnet50", "ResNet-50 inference: the convolutions (im2col gather + GEMM; 1x1 stride 1: the GEMM alone), "
     "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b); "
-    "training=1: the convolutions' dgrad and wgrad too",
+    "with bn=folded the convs carry the folded BN's bias, ReLU and the residual add; training=1 (bn=separate): "
+    "the convolutions' dgrad and wgrad too",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
      Param("dtype", "dtypes", "float16,bfloat16,float32", "data types"),
      Param("layout", "choices:auto,NHWC,NCHW", "auto",
            "image layouts, auto: NHWC for 16-bit types and NCHW for float32"),
+     Param("bn", "choices:separate,folded", "separate,folded",
+           "separate: conv, batch norm, add + ReLU, matmul as separate calls; folded: BN folded into each conv "
+           "(conv + bias + ReLU, conv + bias + residual + ReLU, fc as a 1x1 conv), as examples/resnet50.py"),
      Param("training", "bool", "0", "also the convolutions' backward: dgrad (GEMM + col2im, or the forward over "
            "dy at stride 1) and wgrad (gather + split-K GEMM)")),
     _resnet50_layers(), _resnet50_variants)

@@ -39,6 +39,8 @@ class AnchorOp:
     plan: Callable                          # (attrs, {role: Operand}, Epilogue) -> kernels.Plan
     reference: Callable                     # (attrs, {role: float64 array}) -> tuple of arrays
     residual: str | None = None             # input role an add feeding "x" folds into
+    output_residual: str | None = None      # input role an add of the main output folds into (added
+                                            # before the epilogue: conv's y = act(conv + bias + r))
     epilogue: bool = True                   # the main output takes a fused pointwise epilogue
     tiles: bool = True                      # the plan takes a tile: candidates for autotuning
     data_types: tuple = ()                  # types beyond the pointwise ones its tensors take (fp8)

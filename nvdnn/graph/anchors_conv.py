@@ -87,7 +87,7 @@ register(
                  arch=e.arch, tile=e.tile),
              lambda a, v: (ref.conv2d(v["x"], v["w"], v.get("bias"), a["stride"], a["padding"], a["dilation"],
                                       a["groups"], residual=v.get("residual")),),
-             check=_conv_check),
+             check=_conv_check, output_residual="residual"),
     AnchorOp("conv_dgrad", "conv", ("dy", "w"), ("dx",), _CONV_ATTRS + (("x_dims", None, _DIMS),), _DGRAD[1],
              lambda a, o, e: conv_backward.plan_conv_dgrad(
                  o["dy"], o["w"], a["x_dims"], **_attrs(a), out_dtype=e.out_dtype, precision=a["precision"],

@@ -292,7 +292,13 @@ class Graph(Execution):
         for group in self.groups:
             if group.anchor is not None and group.output is not group.anchor.output:
                 self._epilogue_of[group.output.uid] = group.anchor
-                group.output.strides = group.anchor.output.strides
+        for node in self.nodes:  # layouts flow as fused (what execute plans): conv NHWC -> relu -> conv NHWC
+            if node.op in ANCHORS:
+                metas = {r: Meta(t.dims, t.strides, t.data_type) for r, t in zip(node.roles, node.inputs)}
+                for t, meta in zip(node.outputs, ANCHORS[node.op].infer(dict(node.attrs), metas)):
+                    t.strides = tuple(meta.strides)
+            if node.output.uid in self._epilogue_of:
+                node.output.strides = self._epilogue_of[node.output.uid].output.strides
         self._io = sorted((t for t in self.tensors.values() if not t.is_virtual), key=lambda t: t.uid)
         self._slot = {}
         for index, t in enumerate(self._io):
