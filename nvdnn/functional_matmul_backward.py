@@ -89,7 +89,7 @@ def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=Non
     act = _activation(activation, activation_params)  # before any device work
     device = checks.device()
     cp = arrays.cupy()
-    xs, back = arrays.all_to_device({"dy": dy, "a": a, "b": b, "z": pre_activation})
+    xs, back = arrays.all_to_device({"dy": dy, "a": a, "b": b, "pre_activation": pre_activation})
     kind = checks.result_dtype(dtype) or dtypes.of_array(xs["a"], arg="a").name
     grads = {"da": _output(cp, out_a, "out_a", xs["a"].shape, kind, xs),
              "db": _output(cp, out_b, "out_b", xs["b"].shape, kind, xs)}
@@ -104,7 +104,7 @@ def matmul_backward(dy, a, b, *, bias=False, activation=None, pre_activation=Non
         ops = {r: _operand(x, r) for r, x in xs.items()}
         strides = {r: tuple(s // x.itemsize for s in x.strides) for r, x in grads.items()}
         arch = device_arch(device)
-        plan = family.plan_matmul_backward(ops["dy"], ops["a"], ops["b"], z=ops.get("z"), activation=op,
+        plan = family.plan_matmul_backward(ops["dy"], ops["a"], ops["b"], z=ops.get("pre_activation"), activation=op,
                                            params=() if act is None else act[1], bias=bool(bias), out_dtype=kind,
                                            da_strides=strides["da"], db_strides=strides["db"], precision=precision,
                                            arch=arch)

@@ -86,7 +86,7 @@ def test_every_16_bit_layout_runs_both_gemms_on_wgmma(dtype, a_first, b_first):
                                    activation="gelu", bias=True, arch="sm_90")
     assert _kinds(plan) == ["MatmulZeroSpec", "MatmulDactSpec", "MatmulSpec:wgmma", "MatmulSpec:wgmma"]
     dact, gemm_a, gemm_b = plan.launches[1:]
-    assert dact.spec.vec == 8 and dact.pointers == ("scratch0", "scratch1", "scratch2", "dbias", "dy", "z")
+    assert dact.spec.vec == 8 and dact.pointers == ("scratch0", "scratch1", "scratch2", "dbias", "dy", "pre_activation")
     assert gemm_a.pointers == ("da", "scratch0", "b") and gemm_b.pointers == ("db", "a", "scratch0")
     assert plan.scratch[0] == m * n * 2   # dz, written once, read by both GEMMs
     ampere = _kinds(mm.plan_matmul_backward(dy, major(dtype, m, k, a_first), major(dtype, k, n, b_first),

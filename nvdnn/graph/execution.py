@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import arrays, callsite, dtypes, runtime
-from ..errors import DeviceError, DTypeError, ValidationError
+from ..errors import DeviceError, DTypeError, NvdnnError, ValidationError
 from ..kernels import pointwise
 from .anchors import ANCHORS, Epilogue, Meta
 from .ops import SCHEMAS
@@ -268,11 +268,19 @@ class Execution:
         epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile,
                             self.arch, tuple(n.op for n in group.folded),
                             tuple(t.data_type for t in group.anchor.outputs))
+        schema = ANCHORS[group.anchor.op]
         try:
-            return ANCHORS[group.anchor.op].plan(dict(group.anchor.attrs), operands, epilogue)
+            plan = schema.plan(dict(group.anchor.attrs), operands, epilogue)
         except ValidationError as exc:
             raise ValidationError(f"kernel {self.groups.index(group)} ({group.describe()}): {exc}",
                                   arg=exc.arg) from None
+        known = {*group.roles, *schema.outputs, *(n.op for n in group.folded)}
+        for launch in plan.launches:   # execute binds pointers by these names: a stray one is a family bug
+            stray = [r for r in launch.pointers if r not in known and not r.startswith("scratch")]
+            if stray:
+                raise NvdnnError(f"internal: {group.anchor.op}'s plan ({launch.spec.uri}) names pointers "
+                                 f"{stray}, not roles of the op ({sorted(known)})")
+        return plan
 
     def _built_operands(self, group) -> dict:
         return {role: self._operand(t) for role, t in group.roles.items()}

@@ -16,7 +16,7 @@ checked) at the cost of one read of dy, a few percent of the GEMMs' time at tran
 The two GEMMs are ``plan_matmul`` plans over strided views (b^T and a^T are b and a with their
 last two strides swapped, no copies), so each layout lands where the forward's would: on sm_90
 16-bit operands go to the wgmma kernel in K- or MN-major form. Pointer roles of the Plan: "dy",
-"a", "b", "z", "da", "db", "dbias", and scratch buffers.
+"a", "b", "pre_activation" (the saved z), "da", "db", "dbias", and scratch buffers.
 """
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def _dact_launches(spec_fields: dict, dy: Operand, z: Operand | None, rows: int,
         scratch += [chunks * n * 4, strips * 4]
         launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (256, 1, 1), 0, (counters,), (np.int32(strips),)))
         pointers += [partials, counters, "dbias"]
-    pointers += ["dy"] + (["z"] if spec.act else [])
+    pointers += ["dy"] + (["pre_activation"] if spec.act else [])
     args = ((np.int64(rows), np.int64(n), np.int64(rs_dy)) + ((np.int64(rs_z),) if spec.act else ())
             + (np.int64(rchunk),) + tuple(np.float32(p) for p in params))
     launches.append(Launch(spec, (strips, chunks, 1), (BLOCK, 1, 1), 0, tuple(pointers), args))
