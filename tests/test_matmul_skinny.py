@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 
@@ -21,6 +22,7 @@ from nvdnn.kernels.matmul import heuristic
 from nvdnn.kernels.pointwise import Operand
 
 from .test_compile import _cuobjdump
+from .test_gpu_matmul_skinny import every_row_count
 
 
 def op(dtype, shape, strides=None, align=16):
@@ -30,6 +32,12 @@ def op(dtype, shape, strides=None, align=16):
 def weight(dtype, k, n, layout):
     """B (K, N): "k", the (N, K) weight of a linear layer (x @ w.T); "n", a row-major (K, N) b."""
     return op(dtype, (k, n), (1, k)) if layout == "k" else op(dtype, (k, n))
+
+
+@pytest.fixture(autouse=True)
+def _every_row_count():
+    with every_row_count():
+        yield
 
 
 def skinny(plan):
@@ -95,6 +103,16 @@ def test_more_rows_or_other_layouts_are_not_skinny(arch):
     assert skinny(plan) is None and plan.launches[0].spec.kernel == tile.kernel
     assert heuristic.skinny_rows(9, 2, "k") == 0 and heuristic.skinny_rows(8, 1, "k") == 0
     assert heuristic.skinny_rows(5, 1, "n") == 0 and heuristic.skinny_rows(3, 4, "n") == 4
+
+
+def test_the_default_plan_takes_it_where_measured_ahead():
+    """Without the test's widening: float32 at 1-8 rows, 16-bit at one row, fp8 never (the
+    H200 sweep had the wgmma split-K ahead elsewhere)."""
+    with mock.patch.dict(heuristic.SKINNY_ROWS_MEASURED, {4: 8, 2: 1, 1: 0}):
+        for dtype, rows, want in (("float32", 8, True), ("bfloat16", 1, True), ("bfloat16", 2, False),
+                                  ("float16", 8, False), ("float8_e4m3", 1, False)):
+            plan = mm.plan_matmul(op(dtype, (rows, 4096)), weight(dtype, 4096, 4096, "k"), arch="sm_90", sms=132)
+            assert (skinny(plan) is not None) == want, (dtype, rows, [l.spec.uri for l in plan.launches])
 
 
 def test_a_batch_folds_into_rows():
@@ -189,7 +207,8 @@ def _variants() -> list:
     return jobs
 
 
-VARIANTS = _variants()
+with every_row_count():
+    VARIANTS = _variants()
 
 
 @pytest.fixture(scope="module")

@@ -114,11 +114,19 @@ SKINNY_MAX_SPLITS = 64
 SKINNY_LANE_SUMS = 64       # N-major: float sums a lane holds (rows x 16 / width; fp8 at 8 rows spilled)
 
 
+# Rows the skinny kernel takes by A's element width, as measured against the wgmma split-K on
+# the H200 (sweep of 2026-12-05): float32 at 1-8 rows ran 1.0-4.3 TB/s, ahead of it; 16-bit at
+# one row 0.76-1.08x cuBLAS, but at 4-8 rows only 0.8-2.7 TB/s (0.25-0.72x, the split-K did
+# better); fp8 0.2-0.6x at every count (its per-element convert). Past these: the tensor cores.
+SKINNY_ROWS_MEASURED = {4: 8, 2: 1, 1: 0}
+
+
 def skinny_rows(rows: int, width: int, b_major: str) -> int:
     """The row bucket of the skinny kernel for ``rows`` (batch folded in) rows of A of ``width``
-    bytes an element, or 0 when the product is not memory bound on float32 FMA (or, N-major,
-    the bucket's sums would not fit a lane's registers: fp8 past 4 rows)."""
-    if rows > SKINNY_MAX_ROWS or 2 * rows / width > FMA_FLOPS_PER_BYTE:
+    bytes an element, or 0 when the product is not memory bound on float32 FMA, or past what
+    the kernel was measured to win (SKINNY_ROWS_MEASURED), or (N-major) the bucket's sums
+    would not fit a lane's registers: fp8 past 4 rows."""
+    if rows > min(SKINNY_MAX_ROWS, SKINNY_ROWS_MEASURED.get(width, 0)) or 2 * rows / width > FMA_FLOPS_PER_BYTE:
         return 0
     bucket = next(r for r in SKINNY_ROWS if r >= rows)
     return 0 if b_major == "n" and bucket * 16 // width > SKINNY_LANE_SUMS else bucket
