@@ -22,7 +22,7 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
 - ``simt`` (any arch): float32 FMA on any strides and data types; small exact fp32 and the fallback.
 - ``skinny`` (sm_80+, ``SkinnySpec``): decode rows (at most 8, batch folded in) against a weight
   read once, a memory-bound float32-FMA GEMV over either B layout, split over K and finished in
-  its own launch (``skinny.py``; heuristic.skinny_rows says when).
+  its own launch (``skinny.py``; heuristic.skinny_rows says when: where it measured ahead).
 
 fp8 inputs are uint8 arrays with a declared type; their per-tensor descale factors (``scale_a``,
 ``scale_b``) and the fp8 output's scale (``scale_out``) are one-element float32 device tensors;
