@@ -43,6 +43,6 @@ from .skinny import SkinnySpec
 from .tune import candidates, layouts, preset
 
 __all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulDactSpec",
-           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "Norm", "SkinnySpec", "TensorMapArg", "batch_rule", "candidates",
-           "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
+           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "Norm", "SkinnySpec", "TensorMapArg", "batch_rule",
+           "candidates", "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
            "plan_matmul_backward", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

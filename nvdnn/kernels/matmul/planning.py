@@ -205,8 +205,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     values with ``bias_axis="row"``, N with "col"), "residual" (broadcastable to y), "scale_a",
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
     quantization, float32); ``norm`` (a Norm of N-value vectors, "norm_mean", "norm_var",
-    "norm_gamma", "norm_beta") normalizes each column after the bias, before the residual. ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32
-    on sm_90 from REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
+    "norm_gamma", "norm_beta") normalizes each column after the bias, before the residual.
+    ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32 on sm_90 from
+    REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
     inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges whose float32 partials are summed before the epilogue (None: the
