@@ -262,3 +262,10 @@ def test_fused_wgmma_kernels_use_hgmma(fused, tmp_path):
         path.write_bytes(e.cubin)
         text = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
         assert "HGMMA" in text and " STL" not in text and "MUFU.RSQ" in text, uri
+
+
+def test_a_fused_graph_round_trips_through_a_plan_blob():
+    g, _ = _bn_graph((2, 33, 13, 13), (7, 33, 3, 3), stride=2, padding=1)
+    g.build()
+    again = nvdnn.Graph.deserialize(g.serialize())
+    assert again.explain() == g.explain() and "/bn.f32.g.b/res.f16/ep=relu/" in again.explain()

@@ -1,4 +1,5 @@
-"""Matrix multiply with fused epilogues: y = act(alpha * sa * sb * (A @ B) + bias + beta * C) [* so].
+"""Matrix multiply with fused epilogues: y = act(norm(alpha * sa * sb * (A @ B) + bias) + beta * C) [* so],
+norm an optional inference batch norm per column (a conv's folded batch_norm, ``Norm``).
 
 A is (..., M, K), B is (..., K, N); batch dims broadcast (NumPy's rule, stride 0 where an operand
 is broadcast) and fold into one kernel batch dim. Transposition is strides: A is K-major (row
