@@ -103,8 +103,9 @@ def _fits_residual(group: KernelGroup, node, position: int) -> bool:
     """``node`` adds a second tensor of the same dims to an anchor's bare main output and the
     anchor has an unused role for it: the kernel adds it before its epilogue."""
     role = ANCHORS[group.anchor.op].output_residual
-    if (role is None or role in group.roles or group.nodes[1:] != [n for n in [group.norm] if n is not None]
-            or node.op != "add" or len(node.inputs) != 2):
+    folded = [group.norm] if group.norm is not None else []   # a batch norm may come first
+    if (role is None or role in group.roles or group.nodes[1:] != folded or node.op != "add"
+            or len(node.inputs) != 2):
         return False
     other = node.inputs[1 - position]
     return other is not group.output and other.dims == group.output.dims
@@ -128,6 +129,7 @@ def _fits_norm(group, node, consumers) -> bool:
 
 
 def _fold_norm(group, node) -> None:
+    """The batch_norm's vectors become the anchor's norm_* roles; its output the group's."""
     group.roles = {**group.roles, **{"norm_" + role: t for role, t in zip(node.roles, node.inputs)
                                      if role in NORM_ROLES}}
     group.inputs = list(dict.fromkeys(group.roles.values()))
