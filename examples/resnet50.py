@@ -1,14 +1,16 @@
 """ResNet-50 inference (torchvision's v1.5: the stride on each stage's first 3x3 conv) as ONE
 nvdnn graph, NHWC, fp16 (or bf16), with seeded random weights (no download).
 
-Batch norm is folded into each conv on the host (w' = w * gamma / sqrt(var + eps), b' = beta -
-mean * gamma / sqrt(var + eps)): the conv GEMM's epilogue takes a per-channel bias but no
-per-channel scale, so the graph cannot fold a batch_norm node yet. In the graph, conv -> relu
-and conv -> add(shortcut) -> relu are each one kernel group (the GEMM epilogue: bias, residual,
-ReLU); a 3x3 / 7x7 / strided conv adds an im2col gather launch before its GEMM.
+Batch norm: ``--bn host`` (the default) folds it into each conv on the host (w' = w * gamma /
+sqrt(var + eps), b' = beta - mean * gamma / sqrt(var + eps)); ``--bn graph`` leaves batch_norm
+nodes in the graph after unfolded convs, and fusion folds each into its conv's GEMM epilogue
+(per-channel (v - mean) * gamma / sqrt(var + eps) + beta, applied to the float32 sums, so the
+weights keep their trained values in fp16). Either way conv -> [bn ->] relu and conv -> [bn ->]
+add(shortcut) -> relu are each one kernel group (56 in all); a 3x3 / 7x7 / strided conv adds an
+im2col gather launch before its GEMM.
 
-    python examples/resnet50.py --explain [--arch sm_90a] [--build]   # no GPU: the kernel plan
-    python examples/resnet50.py --batch 1,32,256 [--dtype bfloat16] [--skip-compile]
+    python examples/resnet50.py --explain [--arch sm_90a] [--build] [--bn graph]   # no GPU: the plan
+    python examples/resnet50.py --batch 1,32,256 [--dtype bfloat16] [--bn graph] [--skip-compile]
                                 [--blob resnet50.nvplan --no-compile]
 
 On a GPU it checks the logits against a float64 NumPy forward of the unfolded model (first
@@ -86,17 +88,27 @@ def fold_bn(p: dict) -> tuple[np.ndarray, np.ndarray]:
             (p["beta"] - p["mean"] * scale).astype(np.float32))
 
 
-def build_graph(batch: int, dtype: str = "float16", arch: str | None = None, depths=DEPTHS):
+BN_MODES = ("host", "graph")
+
+
+def build_graph(batch: int, dtype: str = "float16", arch: str | None = None, depths=DEPTHS, bn: str = "host"):
     """The whole network as one graph (tensors named "x", "<layer>.w", "<layer>.b", "logits"):
-    activations NHWC, weights KRSC in ``dtype``, biases float32; the logits (N, 1000, 1, 1)."""
+    activations NHWC, weights KRSC in ``dtype``, biases float32; the logits (N, 1000, 1, 1).
+    ``bn="graph"``: each conv but fc unfolded, no bias, followed by a batch_norm node (float32
+    "<layer>.mean", ".var", ".gamma", ".beta") that fusion folds into the conv's epilogue."""
     g = nvdnn.Graph(io_data_type=dtype, intermediate_data_type=dtype, name=f"resnet50.n{batch}", arch=arch)
     rows = {row[0]: row for row in conv_layers(depths)}
 
     def conv(x, name, residual=None, relu=True):
         _, c, k, r, stride, padding = rows[name]
         w = g.tensor(dims=[k, c, r, r], strides=nhwc_strides([k, c, r, r]), name=name + ".w")
-        b = g.tensor(dims=[k], data_type="float32", name=name + ".b")
-        y = g.conv_fprop(x, w, b, stride=stride, padding=padding, name=name)
+        if bn == "graph" and name != "fc":
+            stats = [g.tensor(dims=[k], data_type="float32", name=f"{name}.{v}") for v in BN_VECTORS]
+            y = g.batch_norm(g.conv_fprop(x, w, stride=stride, padding=padding, name=name), *stats, eps=EPS,
+                             name=name + ".bn")
+        else:
+            b = g.tensor(dims=[k], data_type="float32", name=name + ".b")
+            y = g.conv_fprop(x, w, b, stride=stride, padding=padding, name=name)
         if residual is not None:
             y = g.add(y, residual, name=name + ".add")
         return g.relu(y, name=name + ".relu") if relu else y
@@ -127,9 +139,13 @@ def summary(g) -> list[str]:
 
 # -- device arrays and references --------------------------------------------------------------------
 
-def arrays(params: dict, x: np.ndarray, dtype: str, xp=None) -> dict:
-    """name -> array for every graph input (BN folded) and a NaN-filled logits array: on the
-    device (``xp`` cupy, the default) or NumPy arrays for ``execute(backend="numpy")``."""
+BN_VECTORS = ("mean", "var", "gamma", "beta")   # batch_norm's order
+
+
+def arrays(params: dict, x: np.ndarray, dtype: str, xp=None, bn: str = "host") -> dict:
+    """name -> array for every graph input (BN folded, or its float32 vectors for ``bn="graph"``)
+    and a NaN-filled logits array: on the device (``xp`` cupy, the default) or NumPy arrays for
+    ``execute(backend="numpy")``."""
     if xp is None:
         import cupy as xp
     kind = dtypes.BY_NAME[dtype].np
@@ -139,6 +155,10 @@ def arrays(params: dict, x: np.ndarray, dtype: str, xp=None) -> dict:
 
     pack = {"x": nhwc(x, kind)}
     for name, p in params.items():
+        if bn == "graph" and "gamma" in p:
+            pack[name + ".w"] = nhwc(p["w"], kind)
+            pack.update({f"{name}.{v}": xp.asarray(p[v]) for v in BN_VECTORS})
+            continue
         w, b = fold_bn(p)
         pack[name + ".w"], pack[name + ".b"] = nhwc(w, kind), xp.asarray(b)
     pack["logits"] = xp.full((x.shape[0], 1, 1, CLASSES), np.nan, kind).transpose(0, 3, 1, 2)
@@ -289,13 +309,13 @@ def run_batch(batch: int, args, params: dict, reference: np.ndarray) -> bool:
     (the timings still run). ``reference``: float64 logits of the first images (the same for
     every batch size)."""
     lines = Report()
-    g = build_graph(batch, args.dtype)
+    g = build_graph(batch, args.dtype, bn=args.bn)
     g.build()
-    for line in [f"== batch {batch}, {args.dtype}"] + summary(g):
+    for line in [f"== batch {batch}, {args.dtype}, BN folded on the {args.bn}"] + summary(g):
         lines.append(line)
     import cupy
     x = input_images(batch, args.dtype)
-    pack = arrays(params, x, args.dtype)
+    pack = arrays(params, x, args.dtype, bn=args.bn)
     workspace = cupy.empty(g.get_workspace_size(), cupy.uint8)
     g.execute(pack, workspace)
     cupy.cuda.Device().synchronize()
@@ -329,7 +349,7 @@ def run_batch(batch: int, args, params: dict, reference: np.ndarray) -> bool:
         np.save(path + ".logits.npy", got)
         lines.append(f"  blob: {path} ({os.path.getsize(path)} bytes)")
         if args.no_compile:
-            lines.append("  " + no_compile_check(path, batch, args.dtype))
+            lines.append("  " + no_compile_check(path, batch, args.dtype, args.bn))
     times = {"nvdnn graph.execute": elapsed_ms(lambda: g.execute(pack, workspace), args.iters)}
     captured = g.capture(pack, workspace)
     times["nvdnn captured CUDA graph"] = elapsed_ms(lambda: captured.replay(cupy.cuda.get_current_stream()),
@@ -348,22 +368,22 @@ def blob_path(base: str, batch: int, several: bool) -> str:
     return f"{root}.n{batch}{ext}" if several else base
 
 
-def no_compile_check(path: str, batch: int, dtype: str) -> str:
+def no_compile_check(path: str, batch: int, dtype: str, bn: str = "host") -> str:
     """A fresh process with NVDNN_NO_COMPILE=1 loads the blob, runs it; its logits must equal ours."""
     env = dict(os.environ, NVDNN_NO_COMPILE="1")
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, "--batch", str(batch),
-                           "--dtype", dtype], env=env, capture_output=True, text=True)
+                           "--dtype", dtype, "--bn", bn], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise AssertionError(f"NVDNN_NO_COMPILE=1 run of {path} failed:\n{done.stdout}{done.stderr}")
     return done.stdout.strip().splitlines()[-1]
 
 
-def run_loaded(path: str, batch: int, dtype: str) -> str:
+def run_loaded(path: str, batch: int, dtype: str, bn: str = "host") -> str:
     """The --load child: deserialize (compiles nothing), execute by tensor names, compare."""
     import cupy
     with open(path, "rb") as f:
         g = nvdnn.Graph.deserialize(f.read())
-    pack = arrays(init_params(), input_images(batch, dtype), dtype)
+    pack = arrays(init_params(), input_images(batch, dtype), dtype, bn=bn)
     g.execute(pack, cupy.empty(g.get_workspace_size(), cupy.uint8))
     got, want = logits_of(pack), np.load(path + ".logits.npy")
     same = np.array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -377,6 +397,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,32,256", help="batch sizes, comma-separated")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--bn", default="host", choices=BN_MODES,
+                        help="host: BN folded into the weights; graph: batch_norm nodes fused into the conv epilogues")
     parser.add_argument("--explain", action="store_true", help="no GPU: plan for --arch, print the kernel plan")
     parser.add_argument("--arch", default="sm_90", help="--explain's target arch (an H100 / H200 reports sm_90)")
     parser.add_argument("--build", action="store_true", help="--explain: also compile every kernel (deviceless)")
@@ -391,11 +413,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]
     if args.load:
-        print(run_loaded(args.load, args.batch[0], args.dtype))
+        print(run_loaded(args.load, args.batch[0], args.dtype, args.bn))
         return 0
     if args.explain:
         for batch in args.batch:
-            g = build_graph(batch, args.dtype, arch=args.arch)
+            g = build_graph(batch, args.dtype, arch=args.arch, bn=args.bn)
             if args.build:
                 g.build()
             print("\n".join(summary(g)))

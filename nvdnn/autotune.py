@@ -7,7 +7,6 @@ builds of the same graph later take the tuned choice without timing again.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -19,7 +18,7 @@ from .cache import default_folder
 from .cache_files import atomic_write
 
 def _family_key(spec) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k not in spec.tile_fields}
+    fields = {k: v for k, v in spec.to_dict()["fields"].items() if k not in spec.tile_fields}
     return json.dumps([spec.family, fields], sort_keys=True)
 
 

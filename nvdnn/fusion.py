@@ -12,7 +12,10 @@ are written too, to the workspace when virtual. A whole-tensor reduction of the 
 that the anchor ``folds`` (matmul: amax) joins the group as one more output: the kernel reduces
 the values as it writes them, with no second pass. An anchor whose ``output_residual`` names a
 role (conv: y = act(conv + bias + r)) takes, as that role, the tensor of an ``add`` that is the
-first op after its main output: conv -> add(r) -> relu is one kernel.
+first op after its main output: conv -> add(r) -> relu is one kernel. One with ``output_norm``
+(conv) takes an inference batch_norm of its bare main output as per-channel roles norm_mean,
+norm_var, norm_gamma, norm_beta, normalized after the bias and before that residual: conv ->
+batch_norm -> add -> relu is one kernel too.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class KernelGroup:
     anchor: object = None                        # the anchor node, for anchor groups
     roles: dict = field(default_factory=dict)    # anchor groups: input role -> Tensor
     prologue: object = None                      # the add folded in as a residual
+    norm: object = None                          # the batch_norm folded in (output_norm)
     folded: list = field(default_factory=list)   # reduction nodes of the output folded into the anchor
 
     @property
@@ -99,10 +103,38 @@ def _fits_residual(group: KernelGroup, node, position: int) -> bool:
     """``node`` adds a second tensor of the same dims to an anchor's bare main output and the
     anchor has an unused role for it: the kernel adds it before its epilogue."""
     role = ANCHORS[group.anchor.op].output_residual
-    if role is None or role in group.roles or len(group.nodes) != 1 or node.op != "add" or len(node.inputs) != 2:
+    folded = [group.norm] if group.norm is not None else []   # a batch norm may come first
+    if (role is None or role in group.roles or group.nodes[1:] != folded or node.op != "add"
+            or len(node.inputs) != 2):
         return False
     other = node.inputs[1 - position]
     return other is not group.output and other.dims == group.output.dims
+
+
+NORM_ROLES = ("mean", "var", "gamma", "beta")
+
+
+def _fits_norm(group, node, consumers) -> bool:
+    """``node`` is an inference batch_norm of the anchor's bare main output (read by nothing
+    else, nothing added yet), its per-channel vectors (C,), contiguous, of one epilogue type."""
+    if (group is None or group.anchor is None or not ANCHORS[group.anchor.op].output_norm
+            or node.op != "batch_norm" or len(group.nodes) != 1 or node.inputs[0] is not group.output
+            or ANCHORS[group.anchor.op].output_residual in group.roles
+            or not _private(group.output, consumers, node.output.dims)):
+        return False
+    vectors = [t for role, t in zip(node.roles, node.inputs) if role in NORM_ROLES]
+    channels = group.output.dims[1]
+    return (len({t.data_type for t in vectors}) == 1 and vectors[0].data_type in pointwise.DTYPES
+            and all(t.dims == (channels,) and (channels == 1 or t.strides == (1,)) for t in vectors))
+
+
+def _fold_norm(group, node) -> None:
+    """The batch_norm's vectors become the anchor's norm_* roles; its output the group's."""
+    group.roles = {**group.roles, **{"norm_" + role: t for role, t in zip(node.roles, node.inputs)
+                                     if role in NORM_ROLES}}
+    group.inputs = list(dict.fromkeys(group.roles.values()))
+    group.norm = node
+    group.nodes.append(node)
 
 
 def _anchor_group(node, consumers, open_chain, groups) -> KernelGroup:
@@ -141,6 +173,11 @@ def partition(nodes, consumers) -> list[KernelGroup]:
         if node.op in ANCHORS and node.inputs and _folds(open_chain.get(node.inputs[0].uid), node):
             group = open_chain.pop(node.inputs[0].uid)  # its output is read: no epilogue after it
             group.folded.append(node)
+            continue
+        if node.op in ANCHORS and node.inputs and _fits_norm(open_chain.get(node.inputs[0].uid), node, consumers):
+            group = open_chain.pop(node.inputs[0].uid)
+            _fold_norm(group, node)
+            open_chain[node.output.uid] = group
             continue
         if node.op in ANCHORS:
             group = _anchor_group(node, consumers, open_chain, groups)

@@ -39,6 +39,11 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def optional_field(default):
+    """A spec field that ``to_dict`` (so digests and cache keys) leaves out while at ``default``."""
+    return dataclasses.field(default=default, metadata={"optional": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     family: ClassVar[str]
@@ -87,8 +92,11 @@ class KernelSpec:
         return 0
 
     def to_dict(self) -> dict:
+        """Every field, but an ``optional_field`` left at its default: a feature added later keeps the
+        digests and cache keys of the kernels that do not use it."""
         return {"family": self.family,
-                "fields": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+                "fields": {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if not (f.metadata.get("optional") and getattr(self, f.name) == f.default)}}
 
     @property
     def digest(self) -> str:

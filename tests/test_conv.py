@@ -390,17 +390,22 @@ def _emulate_gemm(launch, mem):
     c_sm, c_sn, c_sb = (int(v) for v in args[:3])
     args = args[3:]
     y = np.matmul(a, b)
-    roles = launch.pointers[3:len(launch.pointers) - spec.finish]
-    if spec.bias:
-        y = y + mem[roles[0]][:n]
     if spec.residual:
         r_sm, r_sn, r_sb = (int(v) for v in args[:3])
         args = args[3:]
         res = _read(mem["residual"], (batch, m, n), (r_sb, r_sm, r_sn))
-    y = y * float(args[0])
+    alpha, *scalars = (float(v) for v in args)
+    beta = scalars.pop(0) if spec.residual else 0.0
+    y = y * alpha
+    if spec.bias:
+        y = y + mem["bias"][:n]
+    if spec.norm:   # the folded batch norm, per column: its eps follows alpha (and beta)
+        vec = {role: mem["norm_" + role][:n] for role in ("mean", "var", "gamma", "beta")
+               if "norm_" + role in launch.pointers}
+        y = (y - vec["mean"]) / np.sqrt(vec["var"] + scalars.pop(0)) * vec.get("gamma", 1.0) + vec.get("beta", 0.0)
     if spec.residual:
-        y = y + float(args[1]) * res
-    y = ref.chain(y, spec.epilogue, [float(v) for v in args[2 if spec.residual else 1:]])
+        y = y + beta * res
+    y = ref.chain(y, spec.epilogue, scalars)
     out = mem[launch.pointers[0]]
     bi, mi, ni = np.indices((batch, m, n))
     out[bi * c_sb + mi * c_sm + ni * c_sn] = y

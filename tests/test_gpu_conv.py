@@ -3,7 +3,8 @@ layers at batch 2 (1x1 64->256 @56, 3x3 64->64 pad 1, 3x3 stride 2, the 7x7 stri
 C = 3, a 1x1 stride-2 downsample) and odd ones (13x11 images, C = 5, K = 7, dilation), NHWC (KRSC
 weights) and NCHW (KCRS), fp16 / bf16 / fp32 exact and tf32, with bias + ReLU and a residual;
 then the graph op executed with a workspace, and a repeat call through the call-site fast path;
-and the backward (nvdnn.conv2d_backward, conv_dgrad, conv_wgrad) the same way, and against torch.
+conv -> batch_norm [-> add] -> relu graphs as one kernel (the norm in the GEMM epilogue); and the
+backward (nvdnn.conv2d_backward, conv_dgrad, conv_wgrad) the same way, and against torch.
 A failure names the case, the plan's kernels, the worst error and its bound."""
 from __future__ import annotations
 
@@ -150,6 +151,81 @@ def test_graph_conv_executes_with_its_workspace(dtype, layout):
     workspace = cupy.empty(g.get_workspace_size(), cupy.uint8)
     g.execute({tx: x, tw: w, tb: b, ty: y}, workspace)
     _compare(y, ref.conv2d(x64, w64, b64, stride=(2, 1), padding=1, activation="relu"), dtype, g.explain())
+
+
+# -- conv -> batch_norm (inference) [-> add] -> relu: the norm folded into the GEMM's epilogue ------------
+# A ResNet 1x1, a 3x3 stride 2 and an odd layer (C = 33, K = 7, 13 x 13), fp16 / bf16 NHWC and fp32
+# NCHW, executed as one kernel group against float64 (variances from 0.05: scales up to about 4.5).
+
+BN_LAYERS = {"1x1_64_256": LAYERS["1x1_64_256"], "3x3_s2": LAYERS["3x3_s2"],
+             "odd_33_7": (2, 33, 13, 13, 7, 3, 3, 1, 1, 1)}
+BN_CASES = [dict(layer=name, dtype=dt, layout=layout, residual=res) for name in BN_LAYERS
+            for dt, layout in (("float16", "NHWC"), ("bfloat16", "NHWC"), ("float32", "NCHW"))
+            for res in (False, True)]
+BN_EPS = 1e-3
+
+
+def _bn_graph(case, rng, shared=False):
+    """x -> conv -> batch_norm [-> add r] -> relu -> y (and, ``shared``, relu(conv) -> z too): the
+    graph, its feeds, its outputs and their float64 values."""
+    import cupy
+
+    import nvdnn
+    from nvdnn import reference as ref
+    n, c, h, w, k, r, s, stride, padding, dilation = BN_LAYERS[case["layer"]]
+    dt, layout = case["dtype"], case["layout"]
+    x, x64 = _array((n, c, h, w), dt, layout, rng)
+    wt, w64 = _array((k, c, r, s), dt, layout, rng)
+    vec = {}
+    for name, low in (("mean", -1.0), ("var", 0.05), ("gamma", -1.0), ("beta", -1.0)):
+        host = rng.uniform(low, 1.0, k).astype(np.float32)
+        vec[name] = (cupy.asarray(host), host.astype(np.float64))
+    g = nvdnn.Graph(io_data_type=dt)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(wt, name="w")
+    tv = [g.tensor_like(vec[name][0], name=name) for name in vec]
+    attrs = dict(stride=stride, padding=padding, dilation=dilation)
+    conv = g.conv_fprop(tx, tw, **attrs)
+    feeds = {tx: x, tw: wt, **{t: vec[name][0] for t, name in zip(tv, vec)}}
+    y64 = ref.conv2d(x64, w64, **attrs)
+    want = {"y": ref.batch_norm(y64, *(v[1] for v in vec.values()), eps=BN_EPS)}
+    v = g.batch_norm(conv, *tv, eps=BN_EPS)
+    if case["residual"]:
+        res, res64 = _array(y64.shape, dt, layout, rng)
+        tr = g.tensor_like(res, name="r")
+        v, feeds[tr], want["y"] = g.add(v, tr), res, want["y"] + res64
+    outs = {"y": g.relu(v, name="y").set_output(True)}
+    want["y"] = np.maximum(want["y"], 0)
+    if shared:
+        outs["z"], want["z"] = g.relu(conv, name="z").set_output(True), np.maximum(y64, 0)
+    g.build()
+    return g, feeds, outs, want
+
+
+@pytest.mark.parametrize("case", BN_CASES, ids=[f"{c['layer']}-{c['dtype']}-{c['layout']}"
+                                                f"{'-residual' if c['residual'] else ''}" for c in BN_CASES])
+def test_graph_conv_bn_relu_is_one_kernel_and_matches_float64(case):
+    import cupy
+    g, feeds, outs, want = _bn_graph(case, np.random.default_rng(abs(hash(str(case))) % 2 ** 32))
+    text = g.explain()
+    assert len(g.groups) == 1 and "/bn.f32.g.b/" in text, text
+    plan = g._anchor_plan(g.groups[0], g._built_operands(g.groups[0]))
+    assert [launch.spec.family for launch in plan.launches].count("matmul") == 1, text   # gathers, then one GEMM
+    y = _poisoned(outs["y"].dims, case["dtype"], case["layout"])
+    g.execute({**feeds, outs["y"]: y}, cupy.empty(g.get_workspace_size(), cupy.uint8))
+    _compare(y, want["y"], case["dtype"], f"{case} [{text}]")
+
+
+@pytest.mark.parametrize("dtype, layout", [("float16", "NHWC"), ("float32", "NCHW")])
+def test_graph_conv_read_twice_keeps_its_batch_norm_separate_and_right(dtype, layout):
+    import cupy
+    case = dict(layer="odd_33_7", dtype=dtype, layout=layout, residual=False)
+    g, feeds, outs, want = _bn_graph(case, np.random.default_rng(17), shared=True)
+    text = g.explain()
+    assert len(g.groups) == 3 and "/bn." not in text and "reduce[batch_norm -> relu]" in text, text
+    got = {name: _poisoned(t.dims, dtype, layout) for name, t in outs.items()}
+    g.execute({**feeds, **{outs[name]: got[name] for name in outs}}, cupy.empty(g.get_workspace_size(), cupy.uint8))
+    for name in outs:
+        _compare(got[name], want[name], dtype, f"{name} of {case} [{text}]")
 
 
 # -- backward: nvdnn.conv2d_backward and the graph ops conv_dgrad / conv_wgrad ----------------------------

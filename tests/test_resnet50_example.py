@@ -85,6 +85,16 @@ def test_resnet50_plans_deviceless_as_56_kernel_groups():
     assert len(resnet50.conv_layers()) == 54
 
 
+def test_bn_left_in_the_graph_folds_into_the_conv_epilogues_with_the_same_56_groups():
+    """--bn graph: every batch_norm joins its conv's group (the GEMM epilogue normalizes per
+    channel), so the plan has the host fold's groups and launches, and 53 more ops."""
+    lines = resnet50.summary(resnet50.build_graph(1, "float16", arch="sm_90a", bn="graph"))
+    chains = {line.split(" x ", 1)[1]: int(line.split(" x ", 1)[0]) for line in lines[1:]}
+    assert chains == {"conv_fprop -> batch_norm -> relu": 33, "conv_fprop -> batch_norm -> add -> relu": 16,
+                      "conv_fprop -> batch_norm": 4, "conv_fprop": 1, "max_pool2d": 1, "global_avg_pool2d": 1}, lines
+    assert " 174 ops in 56 kernel groups, 77 launches " in lines[0], lines[0]
+
+
 def test_the_explain_mode_runs_without_a_gpu():
     import subprocess
     import sys
@@ -95,13 +105,15 @@ def test_the_explain_mode_runs_without_a_gpu():
     assert done.stdout.count("121 ops in 56 kernel groups") == 2 and "16 x conv_fprop -> add -> relu" in done.stdout
 
 
+@pytest.mark.parametrize("bn", resnet50.BN_MODES)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_reduced_network_means_the_unfolded_model(dtype):
-    """The graph's float64 reference (execute backend="numpy") with BN folded on the host against
-    conv -> BN -> ReLU step by step: the fold and the wiring, not the kernels (the GPU run checks those)."""
+def test_the_reduced_network_means_the_unfolded_model(dtype, bn):
+    """The graph's float64 reference (execute backend="numpy") with BN folded on the host (or left
+    in the graph) against conv -> BN -> ReLU step by step: the fold and the wiring, not the kernels
+    (the GPU run checks those)."""
     params, x = resnet50.init_params(REDUCED), resnet50.input_images(1, dtype)
-    g = resnet50.build_graph(1, dtype, arch="sm_90a", depths=REDUCED)
-    pack = resnet50.arrays(params, x, dtype, np)
+    g = resnet50.build_graph(1, dtype, arch="sm_90a", depths=REDUCED, bn=bn)
+    pack = resnet50.arrays(params, x, dtype, np, bn=bn)
     g.execute(pack, backend="numpy")
     check = resnet50.compare(resnet50.logits_of(pack), resnet50.numpy_logits(params, x.astype(np.float64), REDUCED))
     assert check["max_rel"] < resnet50.TOLERANCE[dtype] / 4 and check["top1"] == 1.0, check
@@ -162,12 +174,14 @@ def test_gpu_the_fused_block_matches_float64():
 
 
 @_on_gpu
+@pytest.mark.parametrize("bn", resnet50.BN_MODES)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_the_reduced_network_matches_the_float64_model(dtype):
+def test_gpu_the_reduced_network_matches_the_float64_model(dtype, bn):
     import cupy
     params, x = resnet50.init_params(REDUCED), resnet50.input_images(2, dtype)
-    g = resnet50.build_graph(2, dtype, depths=REDUCED).build()
-    pack = resnet50.arrays(params, x, dtype)
+    g = resnet50.build_graph(2, dtype, depths=REDUCED, bn=bn).build()
+    assert len(g.groups) == 4 * 3 + 4 + 4   # 3 convs a bottleneck, 4 downsamples, stem, pools, fc
+    pack = resnet50.arrays(params, x, dtype, bn=bn)
     g.execute(pack, cupy.empty(g.get_workspace_size(), cupy.uint8))
     got = resnet50.logits_of(pack)
     assert not np.isnan(got).any()

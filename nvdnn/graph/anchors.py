@@ -41,6 +41,8 @@ class AnchorOp:
     residual: str | None = None             # input role an add feeding "x" folds into
     output_residual: str | None = None      # input role an add of the main output folds into (added
                                             # before the epilogue: conv's y = act(conv + bias + r))
+    output_norm: bool = False               # an inference batch_norm of the bare main output folds in
+                                            # (roles norm_mean, ...; conv's y = act(bn(conv + bias) + r))
     epilogue: bool = True                   # the main output takes a fused pointwise epilogue
     tiles: bool = True                      # the plan takes a tile: candidates for autotuning
     data_types: tuple = ()                  # types beyond the pointwise ones its tensors take (fp8)
@@ -98,6 +100,7 @@ class Epilogue(NamedTuple):
     arch: str | None = None
     folds: tuple = ()     # the anchor's ``folds`` the graph folded in: their outputs are plan pointers
     out_dtypes: tuple = ()  # every output's data type, in the anchor's output order
+    norm_eps: float | None = None  # eps of a batch_norm folded in (output_norm), else None
 
 
 ANCHORS: dict[str, AnchorOp] = {}

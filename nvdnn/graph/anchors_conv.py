@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import reference as ref
 from ..errors import DTypeError, ValidationError
-from ..kernels import conv, conv_backward
+from ..kernels import conv, conv_backward, matmul
 from . import rules
 from .anchors import _MATMUL_ATTRS, AnchorOp, Meta, _need, register
 
@@ -73,6 +73,13 @@ def _gradient(op: str, out: str, other: str, dims: str):
     return check, infer
 
 
+def _norm(o, e):
+    """The batch_norm fusion folded into the conv (its norm_* roles and eps), or None."""
+    if e.norm_eps is None:
+        return None
+    return matmul.Norm(o["norm_mean"], o["norm_var"], o.get("norm_gamma"), o.get("norm_beta"), e.norm_eps)
+
+
 def _attrs(a) -> dict:
     return dict(stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
 
@@ -84,10 +91,10 @@ register(
              lambda a, o, e: conv.plan_conv_fprop(
                  o["x"], o["w"], bias=o.get("bias"), residual=o.get("residual"), **_attrs(a), epilogue=e.steps,
                  params=e.params, out_dtype=e.out_dtype, out_align=e.out_align, precision=a["precision"],
-                 arch=e.arch, tile=e.tile),
+                 arch=e.arch, tile=e.tile, norm=_norm(o, e)),
              lambda a, v: (ref.conv2d(v["x"], v["w"], v.get("bias"), a["stride"], a["padding"], a["dilation"],
                                       a["groups"], residual=v.get("residual")),),
-             check=_conv_check, output_residual="residual"),
+             check=_conv_check, output_residual="residual", output_norm=True),
     AnchorOp("conv_dgrad", "conv", ("dy", "w"), ("dx",), _CONV_ATTRS + (("x_dims", None, _DIMS),), _DGRAD[1],
              lambda a, o, e: conv_backward.plan_conv_dgrad(
                  o["dy"], o["w"], a["x_dims"], **_attrs(a), out_dtype=e.out_dtype, precision=a["precision"],

@@ -267,7 +267,8 @@ class Execution:
         """The family plan of an anchor group for these operands (role -> Operand)."""
         epilogue = Epilogue(tuple(group.steps), tuple(group.params), group.output.data_type, out_align, tile,
                             self.arch, tuple(n.op for n in group.folded),
-                            tuple(t.data_type for t in group.anchor.outputs))
+                            tuple(t.data_type for t in group.anchor.outputs),
+                            dict(group.norm.attrs)["eps"] if group.norm is not None else None)
         schema = ANCHORS[group.anchor.op]
         try:
             plan = schema.plan(dict(group.anchor.attrs), operands, epilogue)

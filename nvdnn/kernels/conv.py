@@ -174,9 +174,11 @@ def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str) -> tu
 def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, residual: Operand | None = None,
                     stride=1, padding=0, dilation=1, groups: int = 1, epilogue=(), params=(),
                     out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
-                    arch: str | None = None, tile=None) -> Plan:
-    """y = epilogue(conv(x, w) + bias[k] + residual): an im2col gather (unless the conv is a 1x1
-    GEMM over x as it lies) and one plan_matmul, in one Plan. Pointers: "y", "x", "w", "bias",
+                    arch: str | None = None, tile=None, norm: matmul.Norm | None = None) -> Plan:
+    """y = epilogue(norm(conv(x, w) + bias[k]) + residual): an im2col gather (unless the conv is a
+    1x1 GEMM over x as it lies) and one plan_matmul, in one Plan. ``norm``: an inference batch
+    norm per output channel (a matmul.Norm of (K,) vectors), folded into the GEMM's epilogue.
+    Pointers: "y", "x", "w", "bias", "norm_mean", "norm_var", "norm_gamma", "norm_beta",
     "residual"; y's strides ``out_strides`` (default: packed in x's layout)."""
     for role, op in (("x", x), ("w", w)):
         if op.dtype not in DTYPES:
@@ -232,7 +234,7 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
     res = _gemm_view("residual", residual, cv, flat, cv.k) if residual is not None else None
     gemm = matmul.plan_matmul(a, b, bias=bias, bias_axis="col", residual=res, epilogue=epilogue, params=params,
                               out_dtype=out_dtype, out_strides=y_strides, out_align=out_align, precision=precision,
-                              arch=arch, tile=tile)
+                              arch=arch, tile=tile, norm=norm)
     names.update({f"scratch{i}": f"scratch{i + len(scratch)}" for i in range(len(gemm.scratch))})
     gemm_launches = tuple(l._replace(pointers=tuple(names.get(p, p) for p in l.pointers)) for l in gemm.launches)
     return Plan(tuple(launches) + gemm_launches, scratch=tuple(scratch) + gemm.scratch)

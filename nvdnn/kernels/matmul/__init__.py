@@ -1,4 +1,5 @@
-"""Matrix multiply with fused epilogues: y = act(alpha * sa * sb * (A @ B) + bias + beta * C) [* so].
+"""Matrix multiply with fused epilogues: y = act(norm(alpha * sa * sb * (A @ B) + bias) + beta * C) [* so],
+norm an optional inference batch norm per column (a conv's folded batch_norm, ``Norm``).
 
 A is (..., M, K), B is (..., K, N); batch dims broadcast (NumPy's rule, stride 0 where an operand
 is broadcast) and fold into one kernel batch dim. Transposition is strides: A is K-major (row
@@ -38,11 +39,11 @@ from .backward import MatmulDactSpec, batch_rule, plan_matmul_backward
 from .heuristic import split_count
 from .planning import Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
-                    MatmulZeroSpec, check_operand_types, check_precision, unsupported_reason)
+                    MatmulZeroSpec, Norm, check_operand_types, check_precision, unsupported_reason)
 from .skinny import SkinnySpec
 from .tune import candidates, layouts, preset
 
 __all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulDactSpec",
-           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "SkinnySpec", "TensorMapArg", "batch_rule", "candidates",
-           "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
+           "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "Norm", "SkinnySpec", "TensorMapArg", "batch_rule",
+           "candidates", "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
            "plan_matmul_backward", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

@@ -18,7 +18,8 @@ from ..reduce import GRID_COUNTERS
 from .heuristic import _heuristic_tile, split_count
 from .skinny import SkinnySpec, plan_skinny
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
-                    MatmulSpec, MatmulZeroSpec, _epilogue_roles, _size, check_operand_types, check_precision)
+                    MatmulSpec, MatmulZeroSpec, Norm, _epilogue_roles, _size, check_norm, check_operand_types,
+                    check_precision, epilogue_args)
 
 # -- launch-time arguments --------------------------------------------------------------------------
 
@@ -190,20 +191,23 @@ class Request(NamedTuple):
     epilogue: tuple
     amax: bool
     scaled: bool
+    norm: str = ""
 
 
 def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axis: str = "col",
                 residual: Operand | None = None, alpha: float = 1.0, beta: float = 1.0, epilogue=(), params=(),
                 out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
                 amax: bool = False, arch: str | None = None, tile: MatmulSpec | None = None,
-                split_k: int | None = None, sms: int | None = None) -> Plan:
+                split_k: int | None = None, sms: int | None = None, norm: Norm | None = None) -> Plan:
     """y = epilogue(alpha [* scale_a * scale_b] * (a @ b) [+ bias] [+ beta * residual]) [* scale_out].
 
     Pointers: "y" (``out_strides``, default packed row-major), "a", "b", then "bias" (1-D: M
     values with ``bias_axis="row"``, N with "col"), "residual" (broadcastable to y), "scale_a",
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
-    quantization, float32). ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32
-    on sm_90 from REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
+    quantization, float32); ``norm`` (a Norm of N-value vectors, "norm_mean", "norm_var",
+    "norm_gamma", "norm_beta") normalizes each column after the bias, before the residual.
+    ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32 on sm_90 from
+    REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
     inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges whose float32 partials are summed before the epilogue (None: the
@@ -251,7 +255,8 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         r_strides = (r_m, r_n, bstride.get("residual", 0))
     req = Request(a.dtype, b.dtype, out_dtype, bias_axis if bias is not None else "",
                   bias.dtype if bias is not None else "", residual.dtype if residual is not None else "",
-                  epilogue, bool(amax), fp8)
+                  epilogue, bool(amax), fp8, check_norm(norm, n))
+    scalars = (alpha, beta, norm.eps if norm is not None else 0.0)
     if min(batch, m, n) == 0:
         return Plan(())
     if k == 0:
@@ -267,7 +272,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     arch_n = _arch_number(arch)
     sms = sms or _sm_count()
     skinny = plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align), bstride,
-                         out_strides, r_strides, alpha, beta, params, tile, split_k, sms)
+                         out_strides, r_strides, scalars, params, tile, split_k, sms)
     if skinny is not None:  # decode rows: the memory-bound GEMV (heuristic.skinny_rows)
         return skinny
     if isinstance(tile, SkinnySpec):
@@ -279,8 +284,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         repacks, scratch, (a_sm, a_sk), (b_sk, b_sn), geo = _repacks(
             geo, (a, a_major, a_sm, a_sk), (b, b_major, b_sn, b_sk), three_tf32=precision == "exact"
             and a.dtype == "float32")
-    plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, alpha, beta, params,
-                  sms, split_k)
+    plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, scalars, params, sms, split_k)
     if not repacks:
         return plan
     # the GEMM reads the repacked copies; its own scratch (split-K partials) follows theirs
@@ -335,7 +339,7 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
     """The heuristic's spec (or ``tile``'s kernel and tile on this request, when it fits)."""
     base = dict(a_dtype=req.a_dtype, b_dtype=req.b_dtype, out_dtype=req.out_dtype, bias=req.bias,
                 bias_dtype=req.bias_dtype, residual=req.residual, epilogue=req.epilogue, amax=req.amax,
-                scaled=req.scaled)
+                scaled=req.scaled, norm=req.norm)
     options = _kernel_options(req, geo, precision, a_info, b_info, arch_n)
     if tile is not None:
         for kernel, fields in options:
@@ -390,8 +394,8 @@ def _ints(*values) -> tuple:
     return tuple(np.int64(v) for v in values)
 
 
-def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_strides, r_strides, alpha, beta,
-           params, sms, split_k) -> Plan:
+def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_strides, r_strides, scalars, params,
+           sms, split_k) -> Plan:
     batch, m, n, k = geo.batch, geo.m, geo.n, geo.k
     a_sm, a_sk = a_str
     b_sk, b_sn = b_str
@@ -406,9 +410,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), (np.int32(1),)))
     geometry_args = (np.int32(m), np.int32(n), np.int32(k), np.int32(batch),
                      *_ints(a_sm, a_sk, geo.a[2], b_sk, b_sn, geo.b[2]))
-    epi_args = (_ints(c_sm, c_sn, c_sb) + (_ints(*r_strides) if req.residual else ())
-                + (np.float32(alpha),) + ((np.float32(beta),) if req.residual else ())
-                + tuple(np.float32(p) for p in params))
+    epi_args = epilogue_args(spec, (c_sm, c_sn, c_sb), r_strides, *scalars, params)
     if splits > 1:  # chunks of whole K steps (the wgmma kernel's are slice pairs when promoting)
         step = spec.bk * (2 if spec.promote else 1)
         chunk = -(-(-(-k // splits)) // step) * step
@@ -422,7 +424,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         return Plan(tuple(launches), scratch=(splits * out_tiles * spec.bm * spec.bn * 4,))
     if splits > 1 and not req.scaled:  # fp8: past the counters, no split (the partials carry no descale)
         part = dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
-                                   amax=False, scaled=False, split=True)
+                                   amax=False, scaled=False, split=True, norm="")
         part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
         if spec.kernel == "wgmma":
             maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits)
@@ -432,7 +434,8 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
             part_args = geometry_args + part_args
         launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"), part_args))
         reduce = MatmulReduceSpec(out_dtype=req.out_dtype, bias=req.bias, bias_dtype=req.bias_dtype,
-                                  residual=req.residual, epilogue=req.epilogue, amax=req.amax, scaled=req.scaled)
+                                  residual=req.residual, epilogue=req.epilogue, amax=req.amax, scaled=req.scaled,
+                                  norm=req.norm)
         total = batch * m * n
         rgrid = (min(-(-total // reduce.block), 8 * DEFAULT_SMS), 1, 1)
         launches.append(Launch(reduce, rgrid, (reduce.block, 1, 1), 0, ("y", "scratch0") + epi_roles,

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ValidationError
-from ...spec import KernelSpec, one_of
+from ...spec import KernelSpec, one_of, optional_field
 from .. import Launch, Plan
 from ..reduce import GRID_COUNTERS
 from . import heuristic
 from .specs import (_CTYPE, _PTX, FP8, IN_DTYPES, MatmulZeroSpec, _check_epilogue_fields, _epilogue_context,
                     _epilogue_pointers, _epilogue_roles, _epilogue_scalars, _epilogue_uri, _short, _size,
-                    check_operand_types)
+                    check_operand_types, epilogue_args)
 from .specs import unsupported_reason  # noqa: F401  (warm looks it up in the spec's module)
 
 
@@ -57,6 +57,7 @@ class SkinnySpec(KernelSpec):
     cols: int = 4                # K-major: columns a warp owns
     threads: int = 256
     unroll: int = 2              # K-major: K vectors of each column a lane has in flight
+    norm: str = optional_field("")
 
     def validate(self) -> None:
         one_of(self.a_dtype, IN_DTYPES, "a_dtype")
@@ -125,7 +126,7 @@ def _fold(s_m, s_b, m: int, batch: int):
     return s_m if s_b == m * s_m else None
 
 
-def plan_skinny(req, geo, a_info, b_info, bstride: dict, out_strides, r_strides, alpha, beta, params, tile,
+def plan_skinny(req, geo, a_info, b_info, bstride: dict, out_strides, r_strides, scalars, params, tile,
                 split_k, sms) -> Plan | None:
     """The skinny plan of a matmul request, or None where it does not run it: more rows than
     heuristic.skinny_rows takes, a strided B, a batch that does not fold into rows (B shared, A, y
@@ -157,7 +158,7 @@ def plan_skinny(req, geo, a_info, b_info, bstride: dict, out_strides, r_strides,
         tiles = {f: getattr(tile, f) for f in SkinnySpec.tile_fields}
     base = dict(a_dtype=req.a_dtype, b_dtype=req.b_dtype, out_dtype=req.out_dtype, b_major=b_major, bias=req.bias,
                 bias_dtype=req.bias_dtype, residual=req.residual, epilogue=req.epilogue, amax=req.amax,
-                scaled=req.scaled, rows=rows, vec=vec, a_vec=a_vec)
+                scaled=req.scaled, rows=rows, vec=vec, a_vec=a_vec, norm=req.norm)
     try:
         spec = SkinnySpec(**base, **tiles)
     except ValidationError:
@@ -176,11 +177,9 @@ def plan_skinny(req, geo, a_info, b_info, bstride: dict, out_strides, r_strides,
     launches = []
     if req.amax:
         launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), (np.int32(1),)))
-    ints = lambda *v: tuple(np.int64(x) for x in v)  # noqa: E731
-    args = ((np.int32(m), np.int32(n), np.int32(k)) + ints(a_row, a_sk, b_sk, b_sn) + (np.int32(chunk),)
-            + ints(c_row, out_strides[-1], 0) + (ints(r_row, r_strides[1], 0) if req.residual else ())
-            + (np.float32(alpha),) + ((np.float32(beta),) if req.residual else ())
-            + tuple(np.float32(p) for p in params))
+    args = ((np.int32(m), np.int32(n), np.int32(k)) + tuple(np.int64(v) for v in (a_row, a_sk, b_sk, b_sn))
+            + (np.int32(chunk),) + epilogue_args(spec, (c_row, out_strides[-1], 0),
+                                                 (r_row, r_strides[1], 0) if req.residual else (), *scalars, params))
     launches.append(Launch(spec, (blocks, splits, 1), (spec.threads, 1, 1), 0,
                            ("y", "a", "b") + _epilogue_roles(spec) + ("scratch0",), args))
     return Plan(tuple(launches), scratch=(splits * m * n * 4,))

@@ -3,11 +3,15 @@ zeroing launch; their fields, validation, uris and render contexts, and which ar
 (The package docstring, nvdnn/kernels/matmul/__init__.py, says what each kernel does.)"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from ... import dtypes
-from ...errors import DTypeError, ValidationError
-from ...spec import KernelSpec, one_of
+from ...errors import DTypeError, UnsupportedError, ValidationError
+from ...spec import KernelSpec, one_of, optional_field
 from .. import pointwise, repack
 
 KERNELS = ("simt", "mma", "wgmma")
@@ -17,6 +21,8 @@ IN_DTYPES = ("float32",) + HALF + FP8
 OUT_DTYPES = ("float32",) + HALF + FP8
 EPI_DTYPES = pointwise.DTYPES           # bias and residual
 BIAS = ("", "row", "col")               # row: one value per output row m; col: per column n
+# norm: "" or the statistics' data type, "+gamma" / "+beta" when the step has them
+NORMS = ("",) + tuple(d + g + b for d in EPI_DTYPES for g in ("", "+gamma") for b in ("", "+beta"))
 ACCUMULATORS = {False: 128, True: 192}  # accumulator registers a wgmma consumer thread may hold
 PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloat16": ("exact",),
                      "fp8": ("exact", "fast")}  # plan_matmul's precision, by input type
@@ -61,6 +67,7 @@ def _check_epilogue_fields(spec) -> None:
     one_of(spec.bias, BIAS, "bias")
     one_of(spec.bias_dtype, ("",) + EPI_DTYPES if spec.bias else ("",), "bias_dtype")
     one_of(spec.residual, ("",) + EPI_DTYPES, "residual")
+    one_of(spec.norm, NORMS, "norm")
     pointwise.check_epilogue(spec.epilogue)
     one_of(spec.amax, (False, True), "amax")
     one_of(spec.scaled, (False, True), "scaled")
@@ -72,6 +79,9 @@ def _epilogue_uri(spec) -> str:
         parts.append("/descale")
     if spec.bias:
         parts.append(f"/bias.{spec.bias}.{_short(spec.bias_dtype)}")
+    if spec.norm:
+        dtype, *affine = spec.norm.split("+")
+        parts.append(f"/bn.{_short(dtype)}" + "".join("." + a[0] for a in affine))
     if spec.residual:
         parts.append(f"/res.{_short(spec.residual)}")
     if spec.epilogue:
@@ -89,6 +99,8 @@ def _epilogue_context(spec) -> dict:
         "out_float": spec.out_dtype == "float32",
         "bias": spec.bias, "bias_t": _CTYPE[spec.bias_dtype] if spec.bias else "float",
         "residual": bool(spec.residual), "res_t": _CTYPE[spec.residual] if spec.residual else "float",
+        "norm": bool(spec.norm), "norm_t": _CTYPE[spec.norm.split("+")[0]] if spec.norm else "float",
+        "norm_gamma": "+gamma" in spec.norm, "norm_beta": "+beta" in spec.norm,
         "amax": spec.amax, "scaled": spec.scaled,
         "steps": pointwise.chain_steps(spec.epilogue, fast=_size(spec.out_dtype) < 4),
         "chain_params": ["float a0"] + [f"float p{k}" for k in range(n)],
@@ -101,6 +113,7 @@ def _epilogue_pointers(spec) -> list[str]:
     out = []
     if spec.bias:
         out.append("const bias_t* __restrict__ bias")
+    out += [f"const norm_t* __restrict__ n_{role[5:]}" for role in _norm_roles(spec)]
     if spec.residual:
         out.append("const res_t* __restrict__ res")
     if spec.scaled:
@@ -112,8 +125,14 @@ def _epilogue_pointers(spec) -> list[str]:
     return out
 
 
+def _norm_roles(spec) -> tuple:
+    if not spec.norm:
+        return ()
+    return ("norm_mean", "norm_var") + tuple("norm_" + a for a in spec.norm.split("+")[1:])
+
+
 def _epilogue_roles(spec) -> tuple:
-    return ((("bias",) if spec.bias else ()) + (("residual",) if spec.residual else ())
+    return ((("bias",) if spec.bias else ()) + _norm_roles(spec) + (("residual",) if spec.residual else ())
             + (("scale_a", "scale_b") if spec.scaled else ()) + (("scale_out",) if spec.out_dtype in FP8 else ())
             + (("amax",) if spec.amax else ()))
 
@@ -121,15 +140,56 @@ def _epilogue_roles(spec) -> tuple:
 def _epilogue_scalars(spec) -> list[str]:
     return (["long long c_sm", "long long c_sn", "long long c_sb"]
             + (["long long r_sm", "long long r_sn", "long long r_sb"] if spec.residual else [])
-            + ["float alpha"] + (["float beta"] if spec.residual else [])
+            + ["float alpha"] + (["float beta"] if spec.residual else []) + (["float n_eps"] if spec.norm else [])
             + [f"float p{k}" for k in range(pointwise.chain_params(spec.epilogue))])
+
+
+class Norm(NamedTuple):
+    """An inference batch norm of y's columns (a conv's output channels) folded into the
+    epilogue after the bias: (v - mean) * rsqrt(var + eps) [* gamma] [+ beta]."""
+    mean: pointwise.Operand
+    var: pointwise.Operand
+    gamma: pointwise.Operand | None = None
+    beta: pointwise.Operand | None = None
+    eps: float = 1e-5
+
+
+def check_norm(norm: Norm | None, n: int) -> str:
+    """The spec's ``norm`` for these operands: N values each, contiguous, one data type."""
+    if norm is None:
+        return ""
+    eps = float(norm.eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValidationError(f"norm.eps: {norm.eps!r}; needs a finite value >= 0", arg="eps")
+    found = norm.mean.dtype
+    for role in ("mean", "var", "gamma", "beta"):
+        op = getattr(norm, role)
+        if op is None:
+            continue
+        if op.dtype not in EPI_DTYPES or op.dtype != found:
+            raise DTypeError(f"{role}: data type {op.dtype}; the norm's vectors share one of {', '.join(EPI_DTYPES)} "
+                             f"(mean is {found})", arg=role)
+        if math.prod(op.shape) != n or max(op.shape, default=1) != n:
+            raise ValidationError(f"{role}: shape {tuple(op.shape)} should hold {n} values (one per column N of y)",
+                                  arg=role)
+        strides = [st for size, st in zip(op.shape, op.strides) if size > 1]
+        if strides and strides[0] != 1:
+            raise UnsupportedError(f"{role}: stride {strides[0]}: the norm's vectors must be contiguous", arg=role)
+    return found + ("+gamma" if norm.gamma is not None else "") + ("+beta" if norm.beta is not None else "")
+
+
+def epilogue_args(spec, c_strides, r_strides, alpha, beta, norm_eps, params) -> tuple:
+    """The epilogue's scalar arguments, in _epilogue_scalars' order."""
+    ints = tuple(np.int64(v) for v in (*c_strides, *(r_strides if spec.residual else ())))
+    return (ints + (np.float32(alpha),) + ((np.float32(beta),) if spec.residual else ())
+            + ((np.float32(norm_eps),) if spec.norm else ()) + tuple(np.float32(p) for p in params))
 
 
 @dataclass(frozen=True)
 class MatmulSpec(KernelSpec):
     """One GEMM kernel. Pointers: y (or the fp32 partials "scratch0" with ``split``), a, b, then
-    the epilogue's (bias, residual, scale_a, scale_b, scale_out, amax: those it takes), then with
-    ``finish`` the fp32 partial tiles ("scratch0")."""
+    the epilogue's (bias, norm_mean, norm_var, norm_gamma, norm_beta, residual, scale_a, scale_b,
+    scale_out, amax: those it takes), then with ``finish`` the fp32 partial tiles ("scratch0")."""
     family = "matmul"
     tile_fields = ("bm", "bn", "bk", "stages", "wm", "wn", "group_m", "cluster")
 
@@ -159,6 +219,7 @@ class MatmulSpec(KernelSpec):
     cluster: int = 1             # wgmma: blocks of a cluster (2: M neighbours share B by TMA multicast)
     promote: bool = False        # wgmma fp8 / tf32: drain the tensor-core sums into float32 every two K slices
                                  # (False: fast accumulation, the tensor core's reduced precision throughout)
+    norm: str = optional_field("")  # NORMS: a folded inference batch norm per column, after the bias
 
     @property
     def template(self) -> str:
@@ -176,7 +237,7 @@ class MatmulSpec(KernelSpec):
         check_operand_types(self.a_dtype, self.b_dtype, "b_dtype")
         if self.scaled != (self.a_dtype in FP8):
             raise ValidationError("scaled: fp8 inputs take descale factors, other types none", arg="scaled")
-        if self.split and (self.out_dtype != "float32" or self.bias or self.residual or self.epilogue
+        if self.split and (self.out_dtype != "float32" or self.bias or self.residual or self.epilogue or self.norm
                            or self.amax or self.scaled):
             raise ValidationError("split: partial sums are float32 with no epilogue (the reduce launch applies it)",
                                   arg="split")
@@ -333,6 +394,7 @@ class MatmulReduceSpec(KernelSpec):
     amax: bool
     scaled: bool
     block: int = 256
+    norm: str = optional_field("")
 
     def validate(self) -> None:
         _check_epilogue_fields(self)
