@@ -29,7 +29,7 @@ from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
 from . import matmul, reduce
-from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _fold, _gemm_view, _im2col, _rows, geometry,
+from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _gemm_view, _im2col, _rows, fold, geometry,
                    output_layout, packed_strides, plan_conv_fprop)
 from .matmul.backward import _renamed
 from .pointwise import Operand
@@ -76,15 +76,15 @@ def _types(**ops: Operand) -> str:
 
 
 def _check(dy: Operand, cv: Conv, groups: int) -> None:
-    """dy has the forward's output dims; groups is 1 (as the forward)."""
+    """dy has the forward's output dims; groups is 1 (no grouped backward kernels yet)."""
     want = (cv.n, cv.k, cv.p, cv.q)
     if tuple(dy.shape) != want:
         raise ValidationError(f"dy: dims {list(dy.shape)}; needs y's {list(want)} (N, K and the output size "
                               f"(P, Q) of the conv of x {[cv.n, cv.c, cv.h, cv.w]} with w "
                               f"{[cv.k, cv.c, cv.r, cv.s]})", arg="dy")
     if groups > 1:
-        raise UnsupportedError(f"groups: {groups}; grouped and depthwise convolutions (groups > 1) are not "
-                               "supported yet: groups=1 only")
+        raise UnsupportedError(f"groups: {groups}; the backward of grouped and depthwise convolutions (groups > 1) "
+                               "is not supported yet (the forward is): groups=1 only", arg="groups")
 
 
 def _one_by_one(cv: Conv) -> bool:
@@ -101,7 +101,7 @@ def _pixel_rows(role: str, op: Operand, cv: Conv, ch: int, launches: list, scrat
     """The (N*P*Q, ch) rows of an (N, ch, P, Q) tensor: a view where (n, p, q) fold into one
     stride, else a repack of its (p, q) planes to channels-last scratch; and its role."""
     sn, sc, sp, sq = op.strides
-    step = _fold(((cv.n, sn), (cv.p, sp), (cv.q, sq)))
+    step = fold(((cv.n, sn), (cv.p, sp), (cv.q, sq)))
     if step is not None:
         return Operand(op.dtype, (cv.n * cv.p * cv.q, ch), (step, sc), op.align), role
     pq = _rows(role, op.strides, cv, False)[1][1]
@@ -161,9 +161,9 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
     wk, wc, wr, ws = w.strides
     gemm = dict(precision=precision, arch=arch)
     launches, scratch = [], []
-    flat = _fold(((cv.n, dy.strides[0]), (cv.p, dy.strides[2]), (cv.q, dy.strides[3]))) is not None
+    flat = fold(((cv.n, dy.strides[0]), (cv.p, dy.strides[2]), (cv.q, dy.strides[3]))) is not None
     if _one_by_one(cv):   # dx's pixels are y's: the GEMM writes dx
-        flat = flat and _fold(((cv.n, dx_strides[0]), (cv.h, dx_strides[2]), (cv.w, dx_strides[3]))) is not None
+        flat = flat and fold(((cv.n, dx_strides[0]), (cv.h, dx_strides[2]), (cv.w, dx_strides[3]))) is not None
         b = Operand(w.dtype, (cv.k, cv.c), (wk, wc), w.align)
         out = _rows("dx", dx_strides, cv, flat)[1] + (dx_strides[1],)
         plan = matmul.plan_matmul(_gemm_view("dy", dy, cv, flat, cv.k), b, out_dtype=out_dtype, out_strides=out,
@@ -173,8 +173,8 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
                                    zip(cv.padding, cv.dilation, (cv.r, cv.s))):
         return _dgrad_as_fprop(dy, w, cv, dx_strides, out_dtype, gemm)
     j = cv.r * cv.s * cv.c
-    rsc = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
-    crs = _fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
+    rsc = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    crs = fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
     if rsc is not None:
         b, b_role, columns = Operand(w.dtype, (cv.k, j), (wk, rsc), w.align), "w", (cv.s * cv.c, cv.c, 1)
     elif crs is not None:
@@ -213,7 +213,7 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     a = Operand(dtype, (cv.k, rows.shape[0]), rows.strides[::-1], rows.align)   # dy^T: a view
     j = cv.r * cv.s * cv.c
     xs = x.strides
-    direct = _one_by_one(cv) and _fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None
+    direct = _one_by_one(cv) and fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None
     if direct:
         b, b_role = _pixel_rows("x", x, cv, cv.c, launches, scratch)
     else:
@@ -224,7 +224,7 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
         b = Operand(dtype, (cv.n * cv.p * cv.q, j), (ld, 1))
     gemm = dict(out_dtype=out_dtype, precision=precision, arch=arch)
     roles = {"a": dy_role, "b": b_role}
-    step = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     if step is not None:   # dw's (r, s, c) walk one stride: the GEMM writes it
         _gemm(matmul.plan_matmul(a, b, out_strides=(wk, step), **gemm), {**roles, "y": "dw"}, launches, scratch)
         return Plan(tuple(launches), tuple(scratch))
