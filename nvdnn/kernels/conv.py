@@ -12,9 +12,9 @@ B is w read as (R*S*C, K): directly where w's (r, s, c) fold into one stride (KR
 1x1 weight), else the same im2col kernel reorders it (w as a (K, C, R, S) image, P = Q = 1)
 into scratch. y (and the residual) is written through its strides: rows (n, p, q) fold into
 one M stride (NHWC) or into a batch over n of (p, q) rows (NCHW: y is then column-major, the
-epilogue's scalar stores). groups > 1 is refused for now (grouped and depthwise kernels come
-later). x and y are (N, C, H, W) / (N, K, P, Q) in cuDNN's convention: dims NCHW, strides
-say the layout."""
+epilogue's scalar stores). groups > 1 (grouped, depthwise) is no GEMM: plan_conv_fprop hands
+it to the direct kernel (kernels/conv_direct.py), same pointers, same epilogue. x and y are
+(N, C, H, W) / (N, K, P, Q) in cuDNN's convention: dims NCHW, strides say the layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
