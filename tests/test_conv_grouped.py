@@ -1,8 +1,9 @@
-"""Grouped and depthwise convolution forward (groups > 1) on the CPU: the float64 reference with
-groups against the loop definition, the geometry errors (before any device work), what a plan
-launches (the direct kernel, the filter repack where NHWC lanes need it), the plans run launch by
-launch by a NumPy emulator of the kernel's contract against float64, the graph (explain, the folded
-batch norm, a plan blob), and every variant compiled for sm_80 and sm_90 without spills."""
+"""Grouped and depthwise convolution (groups > 1) on the CPU: the float64 reference with groups
+against the loop definition, the geometry errors (before any device work), what a forward or dgrad
+plan launches (the direct kernel, the filter repack where NHWC lanes need it), the plans run launch
+by launch by a NumPy emulator of the kernel's contract against float64, the graph (explain, the
+folded batch norm, a plan blob), wgrad's refusal, and every variant compiled for sm_80 and sm_90
+without spills."""
 from __future__ import annotations
 
 import numpy as np
@@ -137,7 +138,7 @@ def test_large_tensors_take_64_bit_offsets():
 
 def _emulate_direct(launch, mem):
     spec, args = launch.spec, [float(a) if isinstance(a, np.floating) else int(a) for a in launch.args]
-    (batch, m_, k_, p_, q_, h_, w_, cg, kg, r_, s_, sth, stw, pth, ptw, dlh, dlw), args = args[:17], args[17:]
+    (batch, _, k_, p_, q_, h_, w_, cg, kg, r_, s_, sth, stw, pth, ptw, dlh, dlw), args = args[:17], args[17:]
     (xn, xc, xh, xw, wk, wc, wr, ws), args = args[:8], args[8:]
     (c_sm, c_sn, c_sb), args = args[:3], args[3:]
     if spec.residual:
@@ -151,11 +152,18 @@ def _emulate_direct(launch, mem):
     for ci in range(cg):
         for r in range(r_):
             for s in range(s_):
-                h, col = p * sth - pth + r * dlh, q * stw - ptw + s * dlw
-                inside = (h >= 0) & (h < h_) & (col >= 0) & (col < w_)
+                if spec.direction == "fprop":
+                    h, col = p * sth - pth + r * dlh, q * stw - ptw + s * dlw
+                    inside = (h >= 0) & (h < h_) & (col >= 0) & (col < w_)
+                    tap = k * wk + ci * wc + r * wr + s * ws
+                else:   # the dy pixel (h, col) whose tap (r, s) read dx pixel (p, q)
+                    u, v = p + pth - r * dlh, q + ptw - s * dlw
+                    h, col = u // sth, v // stw
+                    inside = (u >= 0) & (u % sth == 0) & (h < h_) & (v >= 0) & (v % stw == 0) & (col < w_)
+                    tap = k % kg * wk + (k // kg * cg + ci) * wc + r * wr + s * ws
                 c = (k if spec.mode == "dw" else k // kg * cg) + ci
                 xv = x[np.where(inside, n * xn + c * xc + h * xh + col * xw, 0)]
-                acc += np.where(inside, xv, 0.0) * filt[k * wk + ci * wc + r * wr + s * ws]
+                acc += np.where(inside, xv, 0.0) * filt[tap]
     v = alpha * acc
     if spec.bias:
         v += mem["bias"][k]
@@ -200,6 +208,67 @@ def test_plans_emulated_match_the_reference(name, dtype, layout, fused):
     got = _read(mem["y"], y_dims, conv.packed_strides(y_dims, layout))
     np.testing.assert_allclose(got, ref.conv2d(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups,
                                                **want), atol=1e-10, err_msg=" -> ".join(_uris(plan)))
+
+
+# -- dgrad: the same kernel on the transposed problem ----------------------------------------------------
+
+@pytest.mark.parametrize("name, dtype, layout, uris", [
+    ("dw", "float16", "NHWC", ["repack/f16.r", "conv_direct/dgrad/nhwc.dw/f16->f16/v8t1"]),
+    ("dw_x2", "float16", "NHWC", ["conv_direct/dgrad/nhwc.group/f16->f16/v1t1"]),
+    ("g32", "bfloat16", "NHWC", ["conv_direct/dgrad/nhwc.group/bf16->bf16/v2t1"]),   # KRSC: C contiguous already
+    ("g2", "float32", "NCHW", ["conv_direct/dgrad/nchw.group/f32->f32/v1t1"]),
+])
+def test_what_a_grouped_dgrad_launches(name, dtype, layout, uris):
+    from nvdnn.kernels import conv_backward as cb
+    xs, ws, stride, padding, dilation, groups = GEOMETRIES[name]
+    p, q = ref.conv2d_output_size(xs, ws, stride, padding, dilation)
+    plan = cb.plan_conv_dgrad(_op(dtype, (xs[0], ws[0], p, q), layout), _op(dtype, ws, layout), xs, stride=stride,
+                              padding=padding, dilation=dilation, groups=groups)
+    assert _uris(plan) == uris and plan.launches[-1].pointers[:2] == ("dx", "dy")
+
+
+@pytest.mark.parametrize("name", GROUPED)
+@pytest.mark.parametrize("dtype, layout", [("float16", "NHWC"), ("bfloat16", "NCHW")])
+def test_dgrad_plans_emulated_match_the_reference(name, dtype, layout):
+    from nvdnn.kernels import conv_backward as cb
+    xs, ws, stride, padding, dilation, groups = GEOMETRIES[name]
+    p, q = ref.conv2d_output_size(xs, ws, stride, padding, dilation)
+    rng = np.random.default_rng(9)
+    dy, w = rng.standard_normal((xs[0], ws[0], p, q)), rng.standard_normal(ws)
+    mem, ops = {}, {}
+    for role, values in (("dy", dy), ("w", w)):
+        mem[role], strides = _buffer(values, layout)
+        ops[role] = Operand(dtype, values.shape, strides)
+    plan = cb.plan_conv_dgrad(ops["dy"], ops["w"], xs, stride=stride, padding=padding, dilation=dilation,
+                              groups=groups)
+    mem["dx"] = np.full(int(np.prod(xs)), np.nan)
+    _run(plan, mem)
+    got = _read(mem["dx"], xs, conv.packed_strides(xs, layout))
+    want = ref.conv2d_backward_data(dy, w, xs, stride, padding, dilation, groups)
+    np.testing.assert_allclose(got, want, atol=1e-10, err_msg=" -> ".join(_uris(plan)))
+
+
+def test_grouped_backward_plans_dx_and_dbias_and_refuses_dw():
+    from nvdnn.errors import UnsupportedError
+    from nvdnn.kernels import conv_backward as cb
+    x, w, dy = _op("float16", (2, 32, 9, 9), "NHWC"), _op("float16", (32, 1, 3, 3), "NHWC"), _op(
+        "float16", (2, 32, 9, 9), "NHWC")
+    plan = cb.plan_conv_backward(dy, x, w, needs=("dx", "dbias"), padding=1, groups=32)
+    assert [launch.spec.family for launch in plan.launches][:2] == ["repack", "conv_direct"]
+    assert plan.launches[-1].pointers[0] == "dbias"
+    with pytest.raises(UnsupportedError, match="weight gradient"):
+        cb.plan_conv_backward(dy, x, w, needs=("dx", "dw"), padding=1, groups=32)
+    with pytest.raises(UnsupportedError, match="weight gradient"):
+        nvdnn.conv2d_backward(np.zeros((2, 32, 9, 9), np.float16), np.zeros((2, 32, 9, 9), np.float16),
+                              np.zeros((32, 1, 3, 3), np.float16), padding=1, groups=32, needs="dw")
+
+
+def test_graph_dgrad_with_groups_runs_the_direct_kernel():
+    g = nvdnn.Graph(io_data_type="float16", arch="sm_90")
+    dy = g.tensor(dims=[2, 32, 7, 6], strides=list(nhwc_strides([2, 32, 7, 6])), name="dy")
+    w = g.tensor(dims=[32, 1, 3, 3], name="w")
+    g.conv_dgrad(dy, w, x_dims=[2, 32, 13, 11], stride=2, padding=1, groups=32, name="dx").set_output(True)
+    assert "conv_direct/dgrad/nhwc.dw/f16->f16/v8t1" in g.build().explain()
 
 
 # -- the graph ---------------------------------------------------------------------------------------------
@@ -249,7 +318,8 @@ def test_the_numpy_backend_runs_groups():
 # -- compiled ----------------------------------------------------------------------------------------------
 
 def _variants() -> list:
-    """Every mode, layout, data type, lane width and tile, bare and with the whole epilogue."""
+    """Every mode, layout, data type, lane width and tile, bare and with the whole epilogue; dgrad."""
+    from nvdnn.kernels import conv_backward as cb
     specs = []
     for dtype in conv_direct.DTYPES:
         for layout in ("NHWC", "NCHW"):
@@ -263,6 +333,11 @@ def _variants() -> list:
                                      epilogue=(("relu", ""),), params=(0.0, 6.0))
                     plan = _plan(name, dtype, layout, **extra)
                     specs += [launch.spec for launch in plan.launches]
+                xs, ws, stride, padding, dilation, groups = GEOMETRIES[name]
+                p, q = ref.conv2d_output_size(xs, ws, stride, padding, dilation)
+                plan = cb.plan_conv_dgrad(_op(dtype, (xs[0], ws[0], p, q), layout), _op(dtype, ws, layout), xs,
+                                          stride=stride, padding=padding, dilation=dilation, groups=groups)
+                specs += [launch.spec for launch in plan.launches]
     specs = list(dict.fromkeys(specs))
     tiles = [c for s in specs if s.family == "conv_direct" for c in conv_direct.candidates(s)]
     return list(dict.fromkeys(specs + tiles))
@@ -280,7 +355,7 @@ def test_every_variant_compiles_without_spills(warmed):
     entries = {k: e for k, e in warmed["entries"].items() if k[0].startswith("conv_direct/")}
     assert len(entries) == 2 * len({s.uri for s, _ in warmed["jobs"] if s.family == "conv_direct"}) > 40
     assert _spilled(entries) == set()
-    assert {u.split("/")[1] for u, _ in entries} == {"nhwc.dw", "nhwc.group", "nchw.group"}
+    assert {u.split("/")[1] for u, _ in entries} == {"nhwc.dw", "nhwc.group", "nchw.group", "dgrad"}
 
 
 def test_depthwise_lanes_move_16_bytes(warmed, tmp_path):

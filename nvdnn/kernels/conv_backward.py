@@ -15,6 +15,8 @@
   written through its strides where its (r, s, c) fold (KRSC); a KCRS dw is written packed to
   scratch and reordered by the im2col kernel (a pure permutation of bits).
 - dbias: the reduce family's sum of dy over N, P and Q.
+- groups > 1: dx by the forward's direct kernel walking the transposed problem
+  (kernels/conv_direct.py); dw is refused for now (refuse_grouped_wgrad).
 
 Pointer roles: "dx", "dw", "dbias", "dy", "x", "w", and scratch. Dims are NCHW / KCRS
 logically, strides say the layout, as in the forward (kernels/conv.py)."""
@@ -28,7 +30,7 @@ from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
-from . import matmul, reduce
+from . import conv_direct, matmul, reduce
 from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _gemm_view, _im2col, _rows, fold, geometry,
                    output_layout, packed_strides, plan_conv_fprop)
 from .matmul.backward import _renamed
@@ -75,16 +77,21 @@ def _types(**ops: Operand) -> str:
     return ops[first].dtype
 
 
-def _check(dy: Operand, cv: Conv, groups: int) -> None:
-    """dy has the forward's output dims; groups is 1 (no grouped backward kernels yet)."""
+def _check(dy: Operand, cv: Conv) -> None:
+    """dy has the forward's output dims."""
     want = (cv.n, cv.k, cv.p, cv.q)
     if tuple(dy.shape) != want:
         raise ValidationError(f"dy: dims {list(dy.shape)}; needs y's {list(want)} (N, K and the output size "
                               f"(P, Q) of the conv of x {[cv.n, cv.c, cv.h, cv.w]} with w "
-                              f"{[cv.k, cv.c, cv.r, cv.s]})", arg="dy")
+                              f"{[cv.k, cv.c // cv.groups, cv.r, cv.s]})", arg="dy")
+
+
+def refuse_grouped_wgrad(groups: int) -> None:
+    """No wgrad kernel takes groups > 1 yet (dgrad's direct kernel does)."""
     if groups > 1:
-        raise UnsupportedError(f"groups: {groups}; the backward of grouped and depthwise convolutions (groups > 1) "
-                               "is not supported yet (the forward is): groups=1 only", arg="groups")
+        raise UnsupportedError(f"groups: {groups}; the weight gradient (dw) of grouped and depthwise convolutions "
+                               "(groups > 1) is not supported yet (the forward and dx are): groups=1 only",
+                               arg="groups")
 
 
 def _one_by_one(cv: Conv) -> bool:
@@ -153,11 +160,13 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
     so x_shape is asked for, as cuDNN asks for dx's dims."""
     dtype = _types(dy=dy, w=w)
     cv = geometry(tuple(x_shape), w.shape, stride, padding, dilation, groups)
-    _check(dy, cv, groups)
+    _check(dy, cv)
     out_dtype = one_of(out_dtype or dtype, DTYPES, "out_dtype")
     x_dims = (cv.n, cv.c, cv.h, cv.w)
     dx_strides = tuple(out_strides) if out_strides is not None else packed_strides(
         x_dims, output_layout(dy.strides, cv.k))
+    if cv.groups > 1:   # grouped and depthwise: the direct kernel on the transposed problem
+        return conv_direct.plan_conv_direct_dgrad(dy, w, cv, out_dtype=out_dtype, dx_strides=dx_strides)
     wk, wc, wr, ws = w.strides
     gemm = dict(precision=precision, arch=arch)
     launches, scratch = [], []
@@ -203,7 +212,8 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     otherwise, as nvdnn's models keep weights) of y = conv(x, w), from "dy" and "x"."""
     dtype = _types(dy=dy, x=x)
     cv = geometry(x.shape, tuple(w_shape), stride, padding, dilation, groups)
-    _check(dy, cv, groups)
+    _check(dy, cv)
+    refuse_grouped_wgrad(groups)
     out_dtype = one_of(out_dtype or dtype, DTYPES, "out_dtype")
     w_dims = (cv.k, cv.c, cv.r, cv.s)
     wk, wc, wr, ws = tuple(out_strides) if out_strides is not None else packed_strides(
@@ -253,9 +263,11 @@ def plan_conv_backward(dy: Operand, x: Operand, w: Operand, *, needs=("dx", "dw"
         raise ValidationError(f"needs: {tuple(needs)!r}; name one or more of {', '.join(OUTPUTS)}", arg="needs")
     dtype = _types(dy=dy, x=x, w=w)
     cv = geometry(x.shape, w.shape, stride, padding, dilation, groups)
-    _check(dy, cv, groups)
-    common = dict(stride=stride, padding=padding, dilation=dilation, out_dtype=out_dtype, precision=precision,
-                  arch=arch)
+    _check(dy, cv)
+    if "dw" in needs:
+        refuse_grouped_wgrad(groups)
+    common = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, out_dtype=out_dtype,
+                  precision=precision, arch=arch)
     launches, scratch = [], []
     if "dx" in needs:
         dx_strides = packed_strides(x.shape, output_layout(x.strides, cv.c)) if dx_strides is None else dx_strides

@@ -1,4 +1,4 @@
-"""Grouped and depthwise convolution forward (groups > 1) by a direct kernel
+"""Grouped and depthwise convolution (groups > 1), forward and dgrad, by a direct kernel
 (templates/conv/direct.cu.j2): each output is summed tap by tap from x and w, in float32, with
 no im2col columns and no GEMM -- a group's product (C / groups inputs per output) is too thin
 for tensor-core tiles, and a depthwise conv is bound by memory, not by arithmetic.
@@ -17,6 +17,10 @@ is 1, else a repack (kernels/repack.py) into plan scratch ahead of the kernel. T
 the GEMM's (templates/common/gemm_epilogue.cuh.j2) over y seen as (N, P*Q, K): bias per output
 channel, a folded inference batch norm, residual, the pointwise chain, the output's cast.
 
+dgrad (dx of a grouped conv) is the same kernel on the transposed problem: dy in (its K channels),
+dx out (C), the filter read with w's K and C strides swapped, each dx pixel gathering the dy
+pixels whose taps read it (any stride). No wgrad yet.
+
 Expected speed: x and y cross DRAM once (the taps' re-reads of x hit L1 / L2), so a 3x3
 depthwise layer runs near the copy rate of x + y; a 7x7 one is bound by L1 (49 loads of each x
 vector), about 2-3x that time. The "group" mode does C / groups * R * S FMAs per output on CUDA
@@ -31,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import dtypes
-from ..errors import DTypeError, UnsupportedError
+from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
 from .conv_geometry import Conv, fold
@@ -72,6 +76,7 @@ class ConvDirectSpec(KernelSpec):
     vec: int                 # output channels a thread owns (NHWC)
     index: str               # "int32" | "int64": offsets and the thread index
     tq: int = 4              # output columns a thread owns
+    direction: str = "fprop"  # or "dgrad": dx from dy, each output gathering the taps that read it
 
     def validate(self) -> None:
         one_of(self.layout, LAYOUTS, "layout")
@@ -84,17 +89,21 @@ class ConvDirectSpec(KernelSpec):
         one_of(self.vec, tuple(v for v in VECS if v * size <= 16) if self.layout == "nhwc" else (1,), "vec")
         one_of(self.index, ("int32", "int64"), "index")
         one_of(self.tq, TQS, "tq")
+        one_of(self.direction, ("fprop", "dgrad"), "direction")
+        if self.direction == "dgrad" and (self.bias or self.norm or self.residual or self.epilogue):
+            raise ValidationError("epilogue: dgrad takes none (bias, norm, residual, steps)", arg="epilogue")
 
     @property
     def uri(self) -> str:
-        return (f"conv_direct/{self.layout}.{self.mode}/{dtypes.BY_NAME[self.dtype].short}" + _epilogue_uri(self)
-                + f"/v{self.vec}t{self.tq}" + ("/i64" if self.index == "int64" else ""))
+        return ("conv_direct/" + ("dgrad/" if self.direction == "dgrad" else "") + f"{self.layout}.{self.mode}/"
+                + dtypes.BY_NAME[self.dtype].short + _epilogue_uri(self) + f"/v{self.vec}t{self.tq}"
+                + ("/i64" if self.index == "int64" else ""))
 
     def render_context(self) -> dict:
         ctx = _epilogue_context(self)
         sizes = ("batch", "M", "N", "P", "Q", "H", "W", "CG", "KG", "R", "S", "sth", "stw", "pth", "ptw", "dlh", "dlw")
-        ctx.update({"layout": self.layout, "mode": self.mode, "in_t": _CTYPE[self.dtype], "vec": self.vec,
-                    "tq": self.tq, "block": BLOCK, "index_t": "int" if self.index == "int32" else "long long",
+        ctx.update({"direction": self.direction, "layout": self.layout, "mode": self.mode,
+                    "in_t": _CTYPE[self.dtype], "vec": self.vec, "tq": self.tq, "block": BLOCK, "index_t": "int" if self.index == "int32" else "long long",
                     "params": ["out_t* __restrict__ y", "const in_t* __restrict__ x", "const in_t* __restrict__ w"]
                     + _epilogue_pointers(self) + [f"int {n}" for n in sizes]
                     + [f"index_t {n}" for n in ("xn", "xc", "xh", "xw", "wk", "wc", "wr", "ws")]
@@ -129,24 +138,40 @@ def _epilogue_type(op: Operand | None, role: str) -> str:
     return op.dtype
 
 
-def _lanes(x: Operand, w: Operand, cv: Conv, mode: str) -> tuple[int, bool]:
-    """NHWC: output channels a thread owns (16 bytes at most, halved until x's and the filter's
-    vectors are whole and aligned), and whether w is read as it lies (K stride 1) or repacked."""
+def _lanes(x: Operand, kv: Conv, mode: str) -> int:
+    """NHWC: output channels a thread owns, 16 bytes at most, halved until they are whole lanes
+    (of one group in mode "group") and, in mode "dw", x's vectors are whole and aligned."""
     size = dtypes.BY_NAME[x.dtype].itemsize
     vec = 16 // size
-    _, sc, sh, sw = x.strides
-    wk, wc, wr, ws = w.strides
+    xn, xc, xh, xw = x.strides
     while vec > 1:
-        lanes = (cv.k if mode == "dw" else cv.k // cv.groups) % vec == 0
-        x_ok = mode == "group" or (sc == 1 and all(s % vec == 0 for s in (x.strides[0], sh, sw))
-                                   and x.align % (vec * size) == 0)
+        lanes = (kv.k if mode == "dw" else kv.k // kv.groups) % vec == 0
+        x_ok = mode == "group" or (xc == 1 and all(s % vec == 0 for s in (xn, xh, xw)) and x.align % (vec * size) == 0)
         if lanes and x_ok:
             break
         vec //= 2
-    direct = vec == 1 or (wk == 1 and all(s % vec == 0 for s in (wc, wr, ws)) and w.align % (vec * size) == 0)
-    if not direct and fold(((cv.r, wr), (cv.s, ws))) is None:
-        return 1, True   # no repack walks such a filter: one lane, w read through its strides
-    return vec, direct
+    return vec
+
+
+def _filter(w: Operand, cv: Conv, along: int, vec: int) -> tuple:
+    """The filter as ``vec`` lanes read it along w's dim ``along`` (0: K, 1: C / groups): w where
+    that dim has stride 1 and the vectors are aligned, else a repack (kernels/repack.py) making
+    it contiguous, in plan scratch; one lane where no repack walks w. Returns (vec, launches,
+    scratch sizes, the filter's role, its (k, c, r, s) strides)."""
+    strides, size = tuple(w.strides), dtypes.BY_NAME[w.dtype].itemsize
+    if vec == 1 or (strides[along] == 1 and w.align % (vec * size) == 0
+                    and all(st % vec == 0 for dim, st in enumerate(strides) if dim != along)):
+        return vec, [], [], "w", strides
+    taps = fold(((cv.r, strides[2]), (cv.s, strides[3])))
+    if taps is None:
+        return 1, [], [], "w", strides
+    other, sizes = 1 - along, (cv.k, cv.c // cv.groups)
+    launch, nbytes = repack.plan_repack(w.dtype, sizes[other], cv.r * cv.s, sizes[along],
+                                        (strides[other], taps, strides[along]), "scratch0", "w")
+    pitch = repack.pitch(sizes[along], w.dtype)
+    packed = [0, 0, cv.s * pitch, pitch]
+    packed[along], packed[other] = 1, cv.r * cv.s * pitch
+    return vec, [launch], [nbytes], "scratch0", tuple(packed)
 
 
 def _tile(threads_at: dict) -> int:
@@ -164,46 +189,62 @@ def plan_conv_direct(x: Operand, w: Operand, cv: Conv, *, bias: Operand | None, 
     """y = epilogue(norm(conv(x, w) + bias[k]) + residual) for groups > 1, checked geometry
     ``cv``: the direct kernel, after a repack of the filter where NHWC lanes need K contiguous.
     Pointers as kernels/conv.py's plan_conv_fprop."""
-    layout = "nhwc" if cv.c > 1 and x.strides[1] == 1 else "nchw"
-    mode = "dw" if layout == "nhwc" and cv.groups == cv.c == cv.k else "group"
-    vec, direct = _lanes(x, w, cv, mode) if layout == "nhwc" else (1, True)
     if bias is not None:
         strides = [s for n, s in zip(bias.shape, bias.strides) if n > 1]
         if strides and strides[0] != 1:
             raise UnsupportedError(f"bias: stride {strides[0]}: the bias must be contiguous", arg="bias")
-    c_sm, r_strides = _pixel_stride("y", out_strides, cv), ()
+    r_strides = ()
     if residual is not None:
         r_strides = (_pixel_stride("residual", residual.strides, cv), residual.strides[1], residual.strides[0])
-    qt = {tq: -(-cv.q // tq) for tq in TQS}
-    lanes = cv.k // vec
-    threads_at = {tq: cv.n * cv.p * qt[tq] * lanes for tq in TQS}
+    epi = dict(bias="col" if bias is not None else "", bias_dtype=_epilogue_type(bias, "bias"),
+               residual=_epilogue_type(residual, "residual"), norm=check_norm(norm, cv.k), epilogue=epilogue)
+    scalars = (r_strides, norm.eps if norm is not None else 0.0, params)
+    extra = [residual.strides] if residual is not None else []
+    return _plan("fprop", x, cv, w, cv, out_dtype, out_strides, epi, scalars, extra, tile)
+
+
+def plan_conv_direct_dgrad(dy: Operand, w: Operand, cv: Conv, *, out_dtype: str, dx_strides: tuple,
+                           tile=None) -> Plan:
+    """dx of y = conv(x, w) for groups > 1 (geometry ``cv``): the same kernel walking the
+    transposed problem (dy's K channels in, x's C out, each dx pixel gathering the taps that read
+    it, any stride), no epilogue. Pointers: "dx", "dy", the filter."""
+    kv = Conv(cv.n, cv.k, cv.p, cv.q, cv.c, cv.r, cv.s, cv.h, cv.w, cv.stride, cv.padding, cv.dilation, cv.groups)
+    epi = dict(bias="", bias_dtype="", residual="", norm="", epilogue=())
+    plan = _plan("dgrad", dy, kv, w, cv, out_dtype, dx_strides, epi, ((), 0.0, ()), [], tile)
+    names = {"y": "dx", "x": "dy"}
+    return plan._replace(launches=tuple(l._replace(pointers=tuple(names.get(p, p) for p in l.pointers))
+                                        for l in plan.launches))
+
+
+def _plan(direction: str, x: Operand, kv: Conv, w: Operand, cv: Conv, out_dtype: str, out_strides: tuple,
+          epi: dict, scalars: tuple, extra: list, tile) -> Plan:
+    """The launches of the direct kernel on input ``x`` (geometry ``kv`` as the kernel sees it:
+    in channels c, out channels k) and filter ``w`` (the forward's, geometry ``cv``): the lanes,
+    the filter (repacked where they need it), the tile, the spec and its arguments."""
+    layout = "nhwc" if kv.c > 1 and x.strides[1] == 1 else "nchw"
+    mode = "dw" if layout == "nhwc" and kv.groups == kv.c == kv.k else "group"
+    along = 0 if direction == "fprop" or mode == "dw" else 1   # the w dim the lanes walk
+    vec, launches, scratch, filt, w_strides = _filter(w, cv, along, _lanes(x, kv, mode) if layout == "nhwc" else 1)
+    c_sm = _pixel_stride("y" if direction == "fprop" else "dx", out_strides, kv)
+    threads_at = {tq: kv.n * kv.p * -(-kv.q // tq) * (kv.k // vec) for tq in TQS}
     tq = tile.tq if isinstance(tile, ConvDirectSpec) else _tile(threads_at)
     threads = threads_at[tq]
-    launches, scratch, filt, w_strides = [], [], "w", tuple(w.strides)
-    if not direct:   # (C / groups, R*S, K) at a 16-byte row pitch: K contiguous for the lanes' vectors
-        wk, wc, wr, ws = w.strides
-        launch, size = repack.plan_repack(w.dtype, cv.c // cv.groups, cv.r * cv.s, cv.k,
-                                          (wc, fold(((cv.r, wr), (cv.s, ws))), wk), "scratch0", "w")
-        launches.append(launch), scratch.append(size)
-        pitch = repack.pitch(cv.k, w.dtype)
-        filt, w_strides = "scratch0", (1, cv.r * cv.s * pitch, cv.s * pitch, pitch)
-    outputs = [out_strides] + ([residual.strides] if residual is not None else [])
     extent = max([threads + BLOCK, _max_offset(x.shape, x.strides), _max_offset(w.shape, w_strides)]
-                 + [_max_offset((cv.n, cv.k, cv.p, cv.q), s) for s in outputs])
-    spec = ConvDirectSpec(layout, mode, x.dtype, out_dtype, "col" if bias is not None else "",
-                          _epilogue_type(bias, "bias"), _epilogue_type(residual, "residual"),
-                          check_norm(norm, cv.k), epilogue, vec, "int32" if extent <= INT32_MAX else "int64", tq)
+                 + [_max_offset((kv.n, kv.k, kv.p, kv.q), s) for s in [out_strides] + extra])
+    spec = ConvDirectSpec(layout, mode, x.dtype, out_dtype, vec=vec, index="int32" if extent <= INT32_MAX else "int64",
+                          tq=tq, direction=direction, **epi)
     blocks = -(-threads // BLOCK)
-    if blocks > INT32_MAX or max(cv.n, cv.c, cv.k, cv.h, cv.w, cv.p * cv.q) > INT32_MAX:
-        raise UnsupportedError(f"y: {cv.n}x{cv.k}x{cv.p}x{cv.q} from x {cv.n}x{cv.c}x{cv.h}x{cv.w}: a size past "
+    if blocks > INT32_MAX or max(kv.n, kv.c, kv.k, kv.h, kv.w, kv.p * kv.q) > INT32_MAX:
+        raise UnsupportedError(f"{kv.n}x{kv.k}x{kv.p}x{kv.q} from {kv.n}x{kv.c}x{kv.h}x{kv.w}: a size past "
                                f"2^31 - 1, or more than 2^31 - 1 blocks of {BLOCK} threads")
+    if direction == "dgrad":   # the kernel's output channel is w's dim 1 (C), its input channel w's dim 0
+        w_strides = (w_strides[1], w_strides[0]) + w_strides[2:]
     cast = np.int32 if spec.index == "int32" else np.int64
-    sizes = (cv.n, cv.p * cv.q, cv.k, cv.p, cv.q, cv.h, cv.w, cv.c // cv.groups, cv.k // cv.groups, cv.r, cv.s,
-             *cv.stride, *cv.padding, *cv.dilation)
+    sizes = (kv.n, kv.p * kv.q, kv.k, kv.p, kv.q, kv.h, kv.w, kv.c // kv.groups, kv.k // kv.groups, kv.r, kv.s,
+             *kv.stride, *kv.padding, *kv.dilation)
+    r_strides, eps, params = scalars
     args = (tuple(np.int32(v) for v in sizes) + tuple(cast(v) for v in (*x.strides, *w_strides))
-            + epilogue_args(spec, (c_sm, out_strides[1], out_strides[0]), r_strides, 1.0, 1.0,
-                            norm.eps if norm is not None else 0.0, params))
+            + epilogue_args(spec, (c_sm, out_strides[1], out_strides[0]), r_strides, 1.0, 1.0, eps, params))
     pointers = ("y", "x", filt) + _epilogue_roles(spec)
     launches.append(Launch(spec, (max(1, blocks), 1, 1), (BLOCK, 1, 1), 0, pointers, args))
     return Plan(tuple(launches), scratch=tuple(scratch))
-
