@@ -6,7 +6,7 @@ process on the same inputs.
 
 Sets: every distinct conv layer of ResNet-50 (nvdnn.models' preset table, NHWC fp16, batch 32 by
 default), a U-Net / diffusion set (3x3, 64-1280 channels, 8-128 spatial), a depthwise set
-(MobileNet / ConvNeXt, groups = C: nvdnn refuses these for now, so they read ERROR), and a few
+(MobileNet / ConvNeXt, groups = C: nvdnn's direct kernel, kernels/conv_direct.py), and a few
 layers in NCHW, bf16 and float32 (tf32). Each layer is timed twice: "conv" (conv alone, against
 F.conv2d) and "cbr" (conv + bias + ReLU, nvdnn's one fused plan against PyTorch eager's
 F.conv2d(x, w, b) then relu). Per row (benchmarks/sweep.py): a check against PyTorch with

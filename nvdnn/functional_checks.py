@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, dtypes
-from .errors import DeviceError, DTypeError, UnsupportedError, ValidationError
+from .errors import DeviceError, DTypeError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
 from .graph.rules import FLAG, SCALAR, check_dims, check_extent
@@ -287,21 +287,22 @@ def device() -> int:
 
 @remembered
 def check_conv(x, w, bias, residual, attrs: dict, out) -> None:
-    """conv2d: the conv_fprop row's rules (types, ranks, channels, output size, attributes), and
-    the groups its kernels take (1 for now), so every machine raises the same error."""
+    """conv2d: the conv_fprop row's rules (types, ranks, channels and groups, output size,
+    attributes), so every machine raises the same error."""
     check_anchor("conv_fprop", {"x": x, "w": w, "bias": bias, "residual": residual}, attrs, out, None)
-    if attrs.get("groups", 1) != 1:
-        raise UnsupportedError(f"groups: {attrs['groups']}; grouped and depthwise convolutions (groups > 1) are not "
-                               "supported yet: groups=1 only", arg="groups")
 
 
 @remembered
-def check_conv_backward(dy, x, w, attrs: dict, out_dx, out_dw) -> None:
+def check_conv_backward(dy, x, w, attrs: dict, out_dx, out_dw, needs=("dx", "dw")) -> None:
     """conv2d_backward: the forward's rules on x and w (check_conv's), then conv_dgrad's on dy
-    (the forward output's dims, x's type), and the outputs' shapes."""
+    (the forward output's dims, x's type), the outputs' shapes, and the groups its kernels take
+    (dw: 1 for now), so every machine raises the same error."""
     check_conv(x, w, None, None, attrs, None)
     x_dims, w_dims = describe(x, "x").shape, describe(w, "w").shape
     check_anchor("conv_dgrad", {"dy": dy, "w": w}, {**attrs, "x_dims": x_dims}, None, None)
     for role, out, dims in (("out_dx", out_dx, x_dims), ("out_dw", out_dw, w_dims)):
         if out is not None and describe(out, role, typed=False).shape != tuple(dims):
             raise ValidationError(f"{role}: shape {tuple(out.shape)} should be {tuple(dims)}", arg=role)
+    if "dw" in needs:
+        from .kernels.conv_backward import refuse_grouped_wgrad
+        refuse_grouped_wgrad(attrs.get("groups", 1))

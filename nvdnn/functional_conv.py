@@ -42,12 +42,12 @@ def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activa
            precision="exact", stream=None, **activation_params):
     """``activation(conv2d(x, w) + bias + residual)``, PyTorch's cross-correlation, in one plan.
 
-    x (N, C, H, W) and w (K, C, R, S) in any strides (NHWC is channels-last strides; y is
-    packed in x's layout, or written into ``out``); ``stride``, ``padding``, ``dilation``: an
-    int or an (H, W) pair; ``groups`` 1 (grouped and depthwise convolutions come later).
-    ``bias``: K values; ``residual``: y's shape. float32 inputs: ``precision="exact"`` or
-    ``"tf32"``. A 1x1 stride-1 conv is one GEMM over x as it lies; every other conv gathers its
-    columns (im2col) into a workspace first.
+    x (N, C, H, W) and w (K, C / groups, R, S) in any strides (NHWC is channels-last strides; y
+    is packed in x's layout, or written into ``out``); ``stride``, ``padding``, ``dilation``: an
+    int or an (H, W) pair. ``bias``: K values; ``residual``: y's shape. float32 inputs:
+    ``precision="exact"`` or ``"tf32"``. A 1x1 stride-1 conv is one GEMM over x as it lies;
+    every other conv gathers its columns (im2col) into a workspace first; ``groups`` > 1
+    (grouped, depthwise) runs a direct kernel with the same epilogue, float32 sums.
     """
     attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups, "precision": precision}
     checks.check_conv(x, w, bias, residual, attrs, out)  # before any device work
@@ -69,14 +69,15 @@ def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activa
     if found is None:
         from .compiler import device_arch
         ops = {role: _operand(a, kinds[role]) for role, a in xs.items()}
-        cv = conv.geometry(ops["x"].shape, ops["w"].shape, attrs["stride"], attrs["padding"], attrs["dilation"])
+        cv = conv.geometry(ops["x"].shape, ops["w"].shape, attrs["stride"], attrs["padding"], attrs["dilation"],
+                           attrs["groups"])
         dims = (cv.n, cv.k, cv.p, cv.q)
         strides = (conv.packed_strides(dims, conv.output_layout(ops["x"].strides, cv.c)) if out_dev is None
                    else tuple(s // out_dev.itemsize for s in out_dev.strides))
         plan = conv.plan_conv_fprop(ops["x"], ops["w"], bias=ops.get("bias"), residual=ops.get("residual"),
                                       stride=attrs["stride"], padding=attrs["padding"], dilation=attrs["dilation"],
-                                      epilogue=steps, params=params, out_dtype=kind, out_strides=strides,
-                                      precision=attrs["precision"], arch=device_arch(device))
+                                      groups=attrs["groups"], epilogue=steps, params=params, out_dtype=kind,
+                                      out_strides=strides, precision=attrs["precision"], arch=device_arch(device))
         _supported(plan, device_arch(device), "conv2d")
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.pop(next(iter(_PLANS)))
@@ -117,11 +118,12 @@ def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, groups=1, *, need
     implied by dy's when a stride floors it) and the operands: w for dx, x for dw. dx is packed
     in x's layout, dw in w's (or written into ``out_dx`` / ``out_dw``), dbias has K values, all
     in dy's type. ``precision`` for float32: "exact" or "tf32", as conv2d. One plan per
-    signature: dgrad's GEMM + col2im, wgrad's gather + split-K GEMM, dbias's sum.
+    signature: dgrad's GEMM + col2im, wgrad's gather + split-K GEMM, dbias's sum. ``groups`` > 1:
+    dx by the direct kernel (and dbias); dw is not supported yet.
     """
     attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups, "precision": precision}
     needs = _needs(needs)
-    checks.check_conv_backward(dy, x, w, attrs, out_dx, out_dw)  # before any device work
+    checks.check_conv_backward(dy, x, w, attrs, out_dx, out_dw, needs)  # before any device work
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"dy": dy, "x": x, "w": w})
@@ -143,7 +145,8 @@ def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, groups=1, *, need
         ops = {role: _operand(a, kind) for role, a in xs.items()}
         strides = {r: tuple(s // a.itemsize for s in a.strides) for r, a in grads.items()}
         plan = family.plan_conv_backward(ops["dy"], ops["x"], ops["w"], needs=needs, stride=attrs["stride"],
-                                         padding=attrs["padding"], dilation=attrs["dilation"], out_dtype=kind,
+                                         padding=attrs["padding"], dilation=attrs["dilation"],
+                                         groups=attrs["groups"], out_dtype=kind,
                                          dx_strides=strides.get("dx"), dw_strides=strides.get("dw"),
                                          precision=attrs["precision"], arch=device_arch(device))
         _supported(plan, device_arch(device), "conv2d_backward")

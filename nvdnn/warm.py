@@ -23,7 +23,7 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "reduce": reduce.preset,   # reductions, batch / group / instance norm
     "pool": pool.preset,
     "matmul": matmul.preset,   # fp16 / bf16 / tf32 / fp32 / fp8 GEMMs with fused epilogues, sm_90 and sm_80
-    "conv": conv.preset,       # ResNet-50's conv shapes: im2col gathers and their GEMMs, NHWC and NCHW
+    "conv": conv.preset,       # ResNet-50's conv shapes (im2col gathers, GEMMs) and depthwise / grouped ones
     "conv_backward": conv_backward.preset,  # their dgrad (GEMM + col2im), wgrad (gather + split-K GEMM), dbias
 }
 

@@ -214,7 +214,7 @@ def test_errors_are_typed_and_name_the_tensor():
     with pytest.raises(DTypeError, match="x: data type float8_e4m3"):
         cb.plan_conv_wgrad(dy, x._replace(dtype="float8_e4m3"), w.shape)
     with pytest.raises(UnsupportedError, match="groups > 1"):
-        cb.plan_conv_dgrad(_op("float16", (2, 4, 6, 6), "NHWC"), _op("float16", (4, 3, 3, 3), "NHWC"), x.shape,
+        cb.plan_conv_wgrad(_op("float16", (2, 4, 6, 6), "NHWC"), _op("float16", (2, 6, 8, 8), "NHWC"), (4, 3, 3, 3),
                            groups=2)
     with pytest.raises(ValidationError, match="needs: "):
         cb.plan_conv_backward(dy, x, w, needs=("dx", "db"))

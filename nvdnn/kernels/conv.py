@@ -12,22 +12,21 @@ B is w read as (R*S*C, K): directly where w's (r, s, c) fold into one stride (KR
 1x1 weight), else the same im2col kernel reorders it (w as a (K, C, R, S) image, P = Q = 1)
 into scratch. y (and the residual) is written through its strides: rows (n, p, q) fold into
 one M stride (NHWC) or into a batch over n of (p, q) rows (NCHW: y is then column-major, the
-epilogue's scalar stores). groups > 1 is refused for now (grouped and depthwise kernels come
-later). x and y are (N, C, H, W) / (N, K, P, Q) in cuDNN's convention: dims NCHW, strides
-say the layout."""
+epilogue's scalar stores). groups > 1 (grouped, depthwise) is no GEMM: plan_conv_fprop hands
+it to the direct kernel (kernels/conv_direct.py), same pointers, same epilogue. x and y are
+(N, C, H, W) / (N, K, P, Q) in cuDNN's convention: dims NCHW, strides say the layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
-from ..reference.conv import pair
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
-from . import matmul
+from . import conv_direct, matmul, pointwise
+from .conv_geometry import Conv, fold, geometry, output_layout, packed_strides
 from .pointwise import Operand
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -66,79 +65,13 @@ class Im2colSpec(KernelSpec):
                 "index_t": "int" if self.index == "int32" else "long long"}
 
 
-class Conv(NamedTuple):
-    """The sizes of one convolution, its window and its output (P, Q)."""
-    n: int
-    c: int
-    h: int
-    w: int
-    k: int
-    r: int
-    s: int
-    p: int
-    q: int
-    stride: tuple
-    padding: tuple
-    dilation: tuple
-    groups: int
-
-
-def _need(ok: bool, role: str, rule: str) -> None:
-    if not ok:
-        raise ValidationError(f"'{role}' {rule}", arg=role)
-
-
-def geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1) -> Conv:
-    """The convolution's sizes; an error names the tensor, the dim and the rule it breaks."""
-    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
-    for name, value, low in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
-        _need(min(value) >= low, name, f"is {value}; each of (H, W) must be >= {low}")
-    _need(groups >= 1, "groups", f"is {groups}; must be >= 1")
-    _need(len(x_shape) == 4, "x", f"has dims {list(x_shape)}; needs (N, C, H, W): rank 4")
-    _need(len(w_shape) == 4, "w", f"has dims {list(w_shape)}; needs (K, C / groups, R, S): rank 4")
-    n, c, h, w = x_shape
-    k, cg, r, s = w_shape
-    _need(c % groups == 0, "x", f"dim 1 (C) is {c}, not a multiple of groups={groups}")
-    _need(cg * groups == c, "w", f"dim 1 (C / groups) is {cg}; x's C={c} with groups={groups} needs {c // groups} "
-          "(x's C = w's C * groups)")
-    _need(k % groups == 0, "w", f"dim 0 (K) is {k}, not a multiple of groups={groups}")
-    out = []
-    for dim, (size, tap, st, pad, dil, what) in enumerate(((h, r, stride[0], padding[0], dilation[0], "H, R"),
-                                                           (w, s, stride[1], padding[1], dilation[1], "W, S"))):
-        span = dil * (tap - 1) + 1
-        _need(size + 2 * pad >= span, "x", f"dim {dim + 2} ({what.split(',')[0]}) is {size}: padded to "
-              f"{size + 2 * pad} it is smaller than the dilated filter ({what.split(', ')[1]}={tap}, dilation {dil}: "
-              f"{span}), so the output would have no {'rows' if dim == 0 else 'columns'}")
-        out.append((size + 2 * pad - span) // st + 1)
-    return Conv(n, c, h, w, k, r, s, out[0], out[1], stride, padding, dilation, groups)
-
-
-def output_layout(x_strides, c: int) -> str:
-    """The layout y is packed in by default: x's (NHWC when its channels are contiguous)."""
-    return "NHWC" if c > 1 and x_strides[1] == 1 else "NCHW"
-
-
-def packed_strides(dims, layout: str) -> tuple:
-    n, c, h, w = dims
-    return (c * h * w, h * w, w, 1) if layout == "NCHW" else (h * w * c, 1, w * c, c)
-
-
-def _fold(dims) -> int | None:
-    """The one stride (size, stride) dims, outer to inner, step by as one flat index; None if they do not."""
-    kept = [(size, st) for size, st in dims if size > 1]
-    for (_, outer), (size, inner) in zip(kept, kept[1:]):
-        if outer != inner * size:
-            return None
-    return kept[-1][1] if kept else 1
-
-
 def _rows(role: str, strides, cv: Conv, flat: bool) -> tuple[tuple, tuple]:
     """(shape, strides) of the pixel dims of the GEMM view of an (N, ch, P, Q) tensor: rows
     (n, p, q) as one dim (``flat``) or (p, q) rows batched over n."""
     sn, _, sp, sq = strides
     if flat:
-        return (cv.n * cv.p * cv.q,), (_fold(((cv.n, sn), (cv.p, sp), (cv.q, sq))),)
-    row = _fold(((cv.p, sp), (cv.q, sq)))
+        return (cv.n * cv.p * cv.q,), (fold(((cv.n, sn), (cv.p, sp), (cv.q, sq))),)
+    row = fold(((cv.p, sp), (cv.q, sq)))
     if row is None:
         raise UnsupportedError(f"{role}: strides {tuple(strides)}: its (P, Q) pixels do not step by one stride, so "
                                "no GEMM writes or reads it; pass a packed NCHW or NHWC tensor")
@@ -187,9 +120,6 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
     if w.dtype != x.dtype:
         raise DTypeError(f"w: data type {w.dtype} does not match x's {x.dtype}", arg="w")
     cv = geometry(x.shape, w.shape, stride, padding, dilation, groups)
-    if groups > 1:
-        raise UnsupportedError(f"groups: {groups}; grouped and depthwise convolutions (groups > 1) are not "
-                               "supported yet: groups=1 only")
     y_dims = (cv.n, cv.k, cv.p, cv.q)
     out_strides = tuple(out_strides) if out_strides is not None else packed_strides(
         y_dims, output_layout(x.strides, cv.c))
@@ -200,10 +130,15 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
                               arg="bias")
     if 0 in y_dims:
         return Plan(())
+    if cv.groups > 1:   # grouped and depthwise: the direct kernel, not the GEMM
+        return conv_direct.plan_conv_direct(x, w, cv, bias=bias, residual=residual,
+                                            epilogue=pointwise.check_epilogue(epilogue, params), params=params,
+                                            out_dtype=out_dtype or x.dtype, out_strides=out_strides, norm=norm,
+                                            tile=tile)
     direct = ((cv.r, cv.s, cv.stride, cv.padding) == (1, 1, (1, 1), (0, 0))
-              and _fold(((cv.p, x.strides[2]), (cv.q, x.strides[3]))) is not None)
+              and fold(((cv.p, x.strides[2]), (cv.q, x.strides[3]))) is not None)
     ys = [out_strides] + ([residual.strides] if residual is not None else []) + ([x.strides] if direct else [])
-    flat = all(_fold(((cv.n, s[0]), (cv.p, s[2]), (cv.q, s[3]))) is not None for s in ys)
+    flat = all(fold(((cv.n, s[0]), (cv.p, s[2]), (cv.q, s[3]))) is not None for s in ys)
     j = cv.r * cv.s * cv.c
     launches, scratch, names = [], [], {}
     if direct:
@@ -218,7 +153,7 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
              else Operand(x.dtype, (cv.n, cv.p * cv.q, j), (cv.p * cv.q * ld, ld, 1)))
         names["a"] = "scratch0"
     wk, wc, wr, ws = w.strides
-    b_step = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    b_step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     if b_step is not None:  # (r, s, c) walk w by one stride: B is w as it lies
         b = Operand(w.dtype, (j, cv.k), (b_step, wk), w.align)
         names["b"] = "w"
@@ -241,14 +176,17 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
 
 
 def candidates(spec) -> list:
-    """Tile variants: the GEMM's (the gather has none)."""
-    return matmul.candidates(spec)
+    """Tile variants: the direct kernel's or the GEMM's (the gather has none)."""
+    return (conv_direct if spec.family == "conv_direct" else matmul).candidates(spec)
 
 
 def unsupported_reason(spec, arch: str) -> str | None:
-    """The gathers run anywhere; dbias's sum (conv_backward) is the reduce family's; the rest the GEMM's."""
+    """The gathers run anywhere; dbias's sum (conv_backward) is the reduce family's; the rest the GEMM's
+    or the direct kernel's."""
     if spec.family in ("im2col", "col2im"):
         return None
+    if spec.family == "conv_direct":
+        return conv_direct.unsupported_reason(spec, arch)
     if spec.family.startswith("reduce_"):
         from . import reduce
         return reduce.unsupported_reason(spec, arch)
@@ -259,20 +197,24 @@ def unsupported_reason(spec, arch: str) -> str | None:
 # --preset conv` compiles, each with bias + ReLU, in the layouts programs use
 LAYERS = (((64, 56), (64, 3), 1, 1), ((64, 56), (256, 1), 1, 0), ((3, 224), (64, 7), 2, 3),
           ((128, 56), (128, 3), 2, 1), ((256, 56), (512, 1), 2, 0), ((5, 13), (7, 3), 1, 1))
+# and grouped ones, with their groups: ConvNeXt's 7x7 depthwise, MobileNet's 3x3 (stride 1 and 2),
+# ResNeXt's 32 groups of 4 channels
+GROUPED = ((((96, 56), (96, 7), 1, 3), 96), (((32, 112), (32, 3), 1, 1), 32), (((144, 56), (144, 3), 2, 1), 144),
+           (((128, 28), (128, 3), 1, 1), 32))
 
 
 def preset() -> list:
-    """The launches of LAYERS at batch 32: fp16 / bf16 NHWC with KRSC weights, fp32 (tf32 and
-    exact) and fp16 NCHW with KCRS weights, on Hopper and Ampere."""
+    """The launches of LAYERS and GROUPED at batch 32: fp16 / bf16 NHWC with KRSC weights, fp32
+    (tf32 and exact) and fp16 NCHW with KCRS weights, on Hopper and Ampere."""
     specs: dict = {}
     for arch in ("sm_90", "sm_80"):
         for dtype, layout, precision in (("float16", "NHWC", "exact"), ("bfloat16", "NHWC", "exact"),
                                          ("float32", "NCHW", "exact"), ("float32", "NCHW", "tf32"),
                                          ("float16", "NCHW", "exact")):
-            for (c, h), (k, r), st, pad in LAYERS:
+            for ((c, h), (k, r), st, pad), groups in [(layer, 1) for layer in LAYERS] + list(GROUPED):
                 x = Operand(dtype, (32, c, h, h), packed_strides((32, c, h, h), layout))
-                w = Operand(dtype, (k, c, r, r), packed_strides((k, c, r, r), layout))
-                plan = plan_conv_fprop(x, w, bias=Operand(dtype, (k,), (1,)), stride=st, padding=pad,
+                w = Operand(dtype, (k, c // groups, r, r), packed_strides((k, c // groups, r, r), layout))
+                plan = plan_conv_fprop(x, w, bias=Operand(dtype, (k,), (1,)), stride=st, padding=pad, groups=groups,
                                        epilogue=(("relu", ""),), params=(0.0, float("inf")), precision=precision,
                                        arch=arch)
                 specs.update(dict.fromkeys(launch.spec for launch in plan.launches))

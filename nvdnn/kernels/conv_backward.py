@@ -15,6 +15,8 @@
   written through its strides where its (r, s, c) fold (KRSC); a KCRS dw is written packed to
   scratch and reordered by the im2col kernel (a pure permutation of bits).
 - dbias: the reduce family's sum of dy over N, P and Q.
+- groups > 1: dx by the forward's direct kernel walking the transposed problem
+  (kernels/conv_direct.py); dw is refused for now (refuse_grouped_wgrad).
 
 Pointer roles: "dx", "dw", "dbias", "dy", "x", "w", and scratch. Dims are NCHW / KCRS
 logically, strides say the layout, as in the forward (kernels/conv.py)."""
@@ -28,8 +30,8 @@ from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
-from . import matmul, reduce
-from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _fold, _gemm_view, _im2col, _rows, geometry,
+from . import conv_direct, matmul, reduce
+from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _gemm_view, _im2col, _rows, fold, geometry,
                    output_layout, packed_strides, plan_conv_fprop)
 from .matmul.backward import _renamed
 from .pointwise import Operand
@@ -75,16 +77,21 @@ def _types(**ops: Operand) -> str:
     return ops[first].dtype
 
 
-def _check(dy: Operand, cv: Conv, groups: int) -> None:
-    """dy has the forward's output dims; groups is 1 (as the forward)."""
+def _check(dy: Operand, cv: Conv) -> None:
+    """dy has the forward's output dims."""
     want = (cv.n, cv.k, cv.p, cv.q)
     if tuple(dy.shape) != want:
         raise ValidationError(f"dy: dims {list(dy.shape)}; needs y's {list(want)} (N, K and the output size "
                               f"(P, Q) of the conv of x {[cv.n, cv.c, cv.h, cv.w]} with w "
-                              f"{[cv.k, cv.c, cv.r, cv.s]})", arg="dy")
+                              f"{[cv.k, cv.c // cv.groups, cv.r, cv.s]})", arg="dy")
+
+
+def refuse_grouped_wgrad(groups: int) -> None:
+    """No wgrad kernel takes groups > 1 yet (dgrad's direct kernel does)."""
     if groups > 1:
-        raise UnsupportedError(f"groups: {groups}; grouped and depthwise convolutions (groups > 1) are not "
-                               "supported yet: groups=1 only")
+        raise UnsupportedError(f"groups: {groups}; the weight gradient (dw) of grouped and depthwise convolutions "
+                               "(groups > 1) is not supported yet (the forward and dx are): groups=1 only",
+                               arg="groups")
 
 
 def _one_by_one(cv: Conv) -> bool:
@@ -101,7 +108,7 @@ def _pixel_rows(role: str, op: Operand, cv: Conv, ch: int, launches: list, scrat
     """The (N*P*Q, ch) rows of an (N, ch, P, Q) tensor: a view where (n, p, q) fold into one
     stride, else a repack of its (p, q) planes to channels-last scratch; and its role."""
     sn, sc, sp, sq = op.strides
-    step = _fold(((cv.n, sn), (cv.p, sp), (cv.q, sq)))
+    step = fold(((cv.n, sn), (cv.p, sp), (cv.q, sq)))
     if step is not None:
         return Operand(op.dtype, (cv.n * cv.p * cv.q, ch), (step, sc), op.align), role
     pq = _rows(role, op.strides, cv, False)[1][1]
@@ -153,17 +160,19 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
     so x_shape is asked for, as cuDNN asks for dx's dims."""
     dtype = _types(dy=dy, w=w)
     cv = geometry(tuple(x_shape), w.shape, stride, padding, dilation, groups)
-    _check(dy, cv, groups)
+    _check(dy, cv)
     out_dtype = one_of(out_dtype or dtype, DTYPES, "out_dtype")
     x_dims = (cv.n, cv.c, cv.h, cv.w)
     dx_strides = tuple(out_strides) if out_strides is not None else packed_strides(
         x_dims, output_layout(dy.strides, cv.k))
+    if cv.groups > 1:   # grouped and depthwise: the direct kernel on the transposed problem
+        return conv_direct.plan_conv_direct_dgrad(dy, w, cv, out_dtype=out_dtype, dx_strides=dx_strides)
     wk, wc, wr, ws = w.strides
     gemm = dict(precision=precision, arch=arch)
     launches, scratch = [], []
-    flat = _fold(((cv.n, dy.strides[0]), (cv.p, dy.strides[2]), (cv.q, dy.strides[3]))) is not None
+    flat = fold(((cv.n, dy.strides[0]), (cv.p, dy.strides[2]), (cv.q, dy.strides[3]))) is not None
     if _one_by_one(cv):   # dx's pixels are y's: the GEMM writes dx
-        flat = flat and _fold(((cv.n, dx_strides[0]), (cv.h, dx_strides[2]), (cv.w, dx_strides[3]))) is not None
+        flat = flat and fold(((cv.n, dx_strides[0]), (cv.h, dx_strides[2]), (cv.w, dx_strides[3]))) is not None
         b = Operand(w.dtype, (cv.k, cv.c), (wk, wc), w.align)
         out = _rows("dx", dx_strides, cv, flat)[1] + (dx_strides[1],)
         plan = matmul.plan_matmul(_gemm_view("dy", dy, cv, flat, cv.k), b, out_dtype=out_dtype, out_strides=out,
@@ -173,8 +182,8 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
                                    zip(cv.padding, cv.dilation, (cv.r, cv.s))):
         return _dgrad_as_fprop(dy, w, cv, dx_strides, out_dtype, gemm)
     j = cv.r * cv.s * cv.c
-    rsc = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
-    crs = _fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
+    rsc = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    crs = fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
     if rsc is not None:
         b, b_role, columns = Operand(w.dtype, (cv.k, j), (wk, rsc), w.align), "w", (cv.s * cv.c, cv.c, 1)
     elif crs is not None:
@@ -203,7 +212,8 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     otherwise, as nvdnn's models keep weights) of y = conv(x, w), from "dy" and "x"."""
     dtype = _types(dy=dy, x=x)
     cv = geometry(x.shape, tuple(w_shape), stride, padding, dilation, groups)
-    _check(dy, cv, groups)
+    _check(dy, cv)
+    refuse_grouped_wgrad(groups)
     out_dtype = one_of(out_dtype or dtype, DTYPES, "out_dtype")
     w_dims = (cv.k, cv.c, cv.r, cv.s)
     wk, wc, wr, ws = tuple(out_strides) if out_strides is not None else packed_strides(
@@ -213,7 +223,7 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     a = Operand(dtype, (cv.k, rows.shape[0]), rows.strides[::-1], rows.align)   # dy^T: a view
     j = cv.r * cv.s * cv.c
     xs = x.strides
-    direct = _one_by_one(cv) and _fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None
+    direct = _one_by_one(cv) and fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None
     if direct:
         b, b_role = _pixel_rows("x", x, cv, cv.c, launches, scratch)
     else:
@@ -224,7 +234,7 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
         b = Operand(dtype, (cv.n * cv.p * cv.q, j), (ld, 1))
     gemm = dict(out_dtype=out_dtype, precision=precision, arch=arch)
     roles = {"a": dy_role, "b": b_role}
-    step = _fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     if step is not None:   # dw's (r, s, c) walk one stride: the GEMM writes it
         _gemm(matmul.plan_matmul(a, b, out_strides=(wk, step), **gemm), {**roles, "y": "dw"}, launches, scratch)
         return Plan(tuple(launches), tuple(scratch))
@@ -253,9 +263,11 @@ def plan_conv_backward(dy: Operand, x: Operand, w: Operand, *, needs=("dx", "dw"
         raise ValidationError(f"needs: {tuple(needs)!r}; name one or more of {', '.join(OUTPUTS)}", arg="needs")
     dtype = _types(dy=dy, x=x, w=w)
     cv = geometry(x.shape, w.shape, stride, padding, dilation, groups)
-    _check(dy, cv, groups)
-    common = dict(stride=stride, padding=padding, dilation=dilation, out_dtype=out_dtype, precision=precision,
-                  arch=arch)
+    _check(dy, cv)
+    if "dw" in needs:
+        refuse_grouped_wgrad(groups)
+    common = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, out_dtype=out_dtype,
+                  precision=precision, arch=arch)
     launches, scratch = [], []
     if "dx" in needs:
         dx_strides = packed_strides(x.shape, output_layout(x.strides, cv.c)) if dx_strides is None else dx_strides

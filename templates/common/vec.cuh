@@ -33,4 +33,25 @@ template <int N, typename T> __device__ __forceinline__ void store_vec_stream(T*
     store_vec<N>(p, v);
   }
 }
+// N elements in 16-byte pieces: wider vectors than one access (int64 indices, float outputs of
+// 16-bit inputs) need only 16-byte alignment.
+template <int N, typename T> __device__ __forceinline__ void store_wide(T* p, const T (&v)[N]) {
+  constexpr int P = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
+#pragma unroll
+  for (int k = 0; k < N; k += P) {
+    Vec<T, P> piece;
+#pragma unroll
+    for (int j = 0; j < P; ++j) piece.v[j] = v[k + j];
+    store_vec<P>(p + k, piece);
+  }
+}
+template <int N, typename T> __device__ __forceinline__ void load_wide(const T* p, T (&v)[N]) {
+  constexpr int P = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
+#pragma unroll
+  for (int k = 0; k < N; k += P) {
+    const Vec<T, P> piece = load_vec<P>(p + k);
+#pragma unroll
+    for (int j = 0; j < P; ++j) v[k + j] = piece.v[j];
+  }
+}
 }  // namespace nvdnn
