@@ -30,6 +30,7 @@ from common import table, write_json  # noqa: E402
 from sweep import COLUMNS, ITEMSIZE, Arr, Case, cell, require_libraries, run_case, worst_first  # noqa: E402
 
 F16, BF, F32 = "float16", "bfloat16", "float32"
+TF32_TOL = 2e-3  # float32 rows run tf32 (10-bit mantissas) on both sides, in different orders
 
 
 FLOPS: dict = {}   # row name -> the conv's FLOPs (for TFLOP/s)
@@ -104,7 +105,8 @@ def case(group: str, layer, dtype: str = F16, layout: str = "NHWC", fused: bool 
             + f" {layout} {short}")
     FLOPS[name] = flops(layer)
     return Case(f"{group}:{'cbr' if fused else 'conv'}", name, inputs, nv, pt, moved,
-                torch_call="F.conv2d(x, w, b) + relu" if fused else "F.conv2d(x, w)")
+                torch_call="F.conv2d(x, w, b) + relu" if fused else "F.conv2d(x, w)",
+                tol=TF32_TOL if dtype == F32 else 0.0)
 
 
 SETS = {
