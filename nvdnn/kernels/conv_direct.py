@@ -22,8 +22,9 @@ dx out (C), the filter read with w's K and C strides swapped, each dx pixel gath
 pixels whose taps read it (any stride). No wgrad yet.
 
 Expected speed: x and y cross DRAM once (the taps' re-reads of x hit L1 / L2), so a 3x3
-depthwise layer runs near the copy rate of x + y; a 7x7 one is bound by L1 (49 loads of each x
-vector), about 2-3x that time. The "group" mode does C / groups * R * S FMAs per output on CUDA
+depthwise layer should run near the copy rate of x + y; a 7x7 one is bound by L1 (49 loads of each
+x vector), about 2-3x that time. Measured on the H200 (fp16 NHWC, batch 32): 2-3x those times
+(MobileNet's 144-channel 3x3 at 56^2: 48.9 us, 1.2 TB/s; cuDNN 25.9 us). The "group" mode does C / groups * R * S FMAs per output on CUDA
 cores: fine for 4-16 channels a group, slow (no tensor cores) for groups = 2 of wide layers.
 """
 from __future__ import annotations
