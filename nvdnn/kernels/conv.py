@@ -26,7 +26,7 @@ from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
 from . import conv_direct, matmul, pointwise
-from .conv_geometry import Conv, fold, geometry, output_layout, packed_strides
+from .conv_geometry import Conv, fold, geometry, output_layout, packed_strides, pixel_step
 from .pointwise import Operand
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -71,11 +71,7 @@ def _rows(role: str, strides, cv: Conv, flat: bool) -> tuple[tuple, tuple]:
     sn, _, sp, sq = strides
     if flat:
         return (cv.n * cv.p * cv.q,), (fold(((cv.n, sn), (cv.p, sp), (cv.q, sq))),)
-    row = fold(((cv.p, sp), (cv.q, sq)))
-    if row is None:
-        raise UnsupportedError(f"{role}: strides {tuple(strides)}: its (P, Q) pixels do not step by one stride, so "
-                               "no GEMM writes or reads it; pass a packed NCHW or NHWC tensor")
-    return (cv.n, cv.p * cv.q), (sn, row)
+    return (cv.n, cv.p * cv.q), (sn, pixel_step(role, strides, cv))
 
 
 def _gemm_view(role: str, op: Operand, cv: Conv, flat: bool, channels: int) -> Operand:

@@ -39,7 +39,7 @@ from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan, repack
-from .conv_geometry import Conv, fold
+from .conv_geometry import Conv, fold, pixel_step
 from .matmul.specs import (EPI_DTYPES, _CTYPE, _check_epilogue_fields, _epilogue_context, _epilogue_pointers,
                            _epilogue_roles, _epilogue_scalars, _epilogue_uri, check_norm, epilogue_args)
 from .pointwise import Operand
@@ -122,15 +122,6 @@ def candidates(spec: ConvDirectSpec) -> list:
     return [dataclasses.replace(spec, tq=tq) for tq in TQS if tq != spec.tq]
 
 
-def _pixel_stride(role: str, strides, cv: Conv) -> int:
-    """The one stride y's (or the residual's) (p, q) pixels step by: the epilogue's m."""
-    step = fold(((cv.p, strides[2]), (cv.q, strides[3])))
-    if step is None:
-        raise UnsupportedError(f"{role}: strides {tuple(strides)}: its (P, Q) pixels do not step by one stride; "
-                               "pass a packed NCHW or NHWC tensor")
-    return step
-
-
 def _epilogue_type(op: Operand | None, role: str) -> str:
     if op is None:
         return ""
@@ -196,7 +187,7 @@ def plan_conv_direct(x: Operand, w: Operand, cv: Conv, *, bias: Operand | None, 
             raise UnsupportedError(f"bias: stride {strides[0]}: the bias must be contiguous", arg="bias")
     r_strides = ()
     if residual is not None:
-        r_strides = (_pixel_stride("residual", residual.strides, cv), residual.strides[1], residual.strides[0])
+        r_strides = (pixel_step("residual", residual.strides, cv), residual.strides[1], residual.strides[0])
     epi = dict(bias="col" if bias is not None else "", bias_dtype=_epilogue_type(bias, "bias"),
                residual=_epilogue_type(residual, "residual"), norm=check_norm(norm, cv.k), epilogue=epilogue)
     scalars = (r_strides, norm.eps if norm is not None else 0.0, params)
@@ -226,7 +217,7 @@ def _plan(direction: str, x: Operand, kv: Conv, w: Operand, cv: Conv, out_dtype:
     mode = "dw" if layout == "nhwc" and kv.groups == kv.c == kv.k else "group"
     along = 0 if direction == "fprop" or mode == "dw" else 1   # the w dim the lanes walk
     vec, launches, scratch, filt, w_strides = _filter(w, cv, along, _lanes(x, kv, mode) if layout == "nhwc" else 1)
-    c_sm = _pixel_stride("y" if direction == "fprop" else "dx", out_strides, kv)
+    c_sm = pixel_step("y" if direction == "fprop" else "dx", out_strides, kv)
     threads_at = {tq: kv.n * kv.p * -(-kv.q // tq) * (kv.k // vec) for tq in TQS}
     tq = tile.tq if isinstance(tile, ConvDirectSpec) else _tile(threads_at)
     threads = threads_at[tq]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from ..reference.conv import pair
 
 
@@ -74,3 +74,13 @@ def fold(dims) -> int | None:
         if outer != inner * size:
             return None
     return kept[-1][1] if kept else 1
+
+
+def pixel_step(role: str, strides, cv: Conv) -> int:
+    """The one stride the (p, q) pixels of an (N, ch, P, Q) tensor step by (a GEMM's or the
+    direct kernel's row index m = p * Q + q); an error naming ``role`` where there is none."""
+    step = fold(((cv.p, strides[2]), (cv.q, strides[3])))
+    if step is None:
+        raise UnsupportedError(f"{role}: strides {tuple(strides)}: its (P, Q) pixels do not step by one stride, so "
+                               "no kernel writes or reads it; pass a packed NCHW or NHWC tensor")
+    return step
