@@ -217,39 +217,45 @@ class _Launch(NamedTuple):
     block: tuple
     shared_mem: int
     template: list
-    fills: tuple     # (slot, 0 input | 1 output | 2 scratch, index, byte offset, pass the array itself)
-    deferred: bool   # some arguments resolve at launch (a TMA tensor map)
-    plain: bool      # a CuPy function with no deferred argument: addresses go as CuPy pointer objects
+    fills: tuple     # (slot, 0 input | 1 output | 2 scratch, index, byte offset, how the slot is passed)
+    deferred: tuple  # (slot, argument) per argument resolved at launch (a TMA tensor map)
+    resolved: dict   # (slot, address) -> that argument's value, as the launch passes it
 
 
 DEPENDENT_MIN_BYTES = 64 << 20  # a replay moving less launches dependent kernels the ordinary way
+RESOLVED_LIMIT = 64             # tensor maps a launch keeps, per slot and address
+_ADDRESS, _POINTER, _ARRAY = 0, 1, 2   # a pointer slot takes: the address (an int), a CuPy pointer, the array
 
 
 def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes: int) -> _Launch:
     """``nbytes``: what the call's arrays span. Below DEPENDENT_MIN_BYTES its kernels are shorter
     than the host's cost of a dependent launch (cuLaunchKernelEx through cuda.bindings, about
     twice CuPy's launch on the H200's host), so back-to-back calls are bound by the host and the
-    overlap a dependent launch buys is worth less than the time it costs."""
+    overlap a dependent launch buys is worth less than the time it costs. A CuPy launch gets its
+    constants and addresses as CuPy's own argument objects, made once; the pointer a tensor map
+    is built over stays an address."""
     from .runtime import DependentFunction
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
-    deferred = has_deferred(s[1] for s in sources if s[0] == "c")
-    plain = not deferred and not isinstance(function, DependentFunction)
+    cupy_launch = not isinstance(function, DependentFunction)
+    deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
+    mapped = {arg.pointer for _, arg in deferred}
     template, fills = [], []
     for slot, source in enumerate(sources):
         if source[0] == "c":
             value = source[1]
-            if plain and isinstance(value, (np.generic, np.ndarray)):
+            if cupy_launch and slot not in mapped and isinstance(value, (np.generic, np.ndarray)):
                 value = _CUPY.cuda.function.CNumpyArray(np.asarray(value).reshape(1))
             template.append(value)
             continue
         kind, index, offset = _KINDS[source[0]], source[1], source[2]
         cupy_array = (reader(type(arrays[index])) is cupy_meta if kind == 0 else
                       not outputs[index].torch if kind == 1 else True)
-        whole = plain and offset == 0 and cupy_array  # CuPy reads its own arrays' addresses fastest
+        passed = (_ADDRESS if not cupy_launch or slot in mapped else
+                  _ARRAY if offset == 0 and cupy_array else _POINTER)  # CuPy reads its own arrays' addresses fastest
         template.append(None)
-        fills.append((slot, kind, index, offset, whole))
-    return _Launch(function, grid, block, shared_mem, template, tuple(fills), deferred, plain)
+        fills.append((slot, kind, index, offset, passed))
+    return _Launch(function, grid, block, shared_mem, template, tuple(fills), deferred, {})
 
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
@@ -262,20 +268,42 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     places = (addresses, None, None)
     for launch in replay.launches:
         args = launch.template.copy()
-        for slot, kind, index, offset, whole in launch.fills:
-            if whole:
+        for slot, kind, index, offset, passed in launch.fills:
+            if passed == _ARRAY:
                 args[slot] = objects[kind][index]
             else:
                 if places[kind] is None:
                     places = _addresses(places, objects, kind)
                 address = places[kind][index] + offset
-                args[slot] = _CUPY.cuda.function.CIntptr(address) if launch.plain else address
-        launch.function(launch.grid, launch.block, resolve(args) if launch.deferred else args,
-                        shared_mem=launch.shared_mem, stream=stream)
+                args[slot] = _CUPY.cuda.function.CIntptr(address) if passed == _POINTER else address
+        for slot, arg in launch.deferred:
+            args[slot] = _resolved(launch, slot, arg, args[arg.pointer])
+        launch.function(launch.grid, launch.block, args, shared_mem=launch.shared_mem, stream=stream)
     result = replay.result
     if result is not None and result[0] == "out":
         return made[result[1]]
     return _result(result, arrays, made)
+
+
+def _resolved(launch: _Launch, slot: int, arg, pointer):
+    """``arg`` (a tensor map) over ``pointer``'s address, kept per launch and address: a repeat
+    call on the same arrays (the usual case under a caching allocator) builds nothing."""
+    address = int(pointer)
+    key = (slot, address)
+    value = launch.resolved.get(key)
+    if value is None:
+        value = arg.resolve(address)
+        if not isinstance(launch.function, _dependent()):
+            value = _CUPY.cuda.function.CNumpyArray(value)
+        if len(launch.resolved) >= RESOLVED_LIMIT:
+            launch.resolved.clear()
+        launch.resolved[key] = value
+    return value
+
+
+def _dependent():
+    from .runtime import DependentFunction
+    return DependentFunction
 
 
 def _addresses(places, objects, kind):

@@ -187,3 +187,37 @@ def test_a_public_call_inside_another_is_part_of_its_recording(toy):
     before = counts["full path"]
     y = outer(FakeArray((2, 2)))
     assert counts["full path"] == before and kernel.calls[-1][0] == y.data.ptr
+
+
+class _Map:
+    """A stand-in for a TMA tensor map over launch pointer ``pointer``: counts its builds."""
+
+    def __init__(self, pointer):
+        self.pointer, self.builds = pointer, []
+
+    def resolve(self, address):
+        self.builds.append(address)
+        return np.array([address ^ 0xFF], np.uint64)
+
+
+def test_a_replay_builds_a_tensor_map_once_per_address_and_follows_new_arrays(monkeypatch, toy):
+    _, kernel, counts = toy
+    tmap = _Map(pointer=1)
+
+    @callsite.fast
+    def mapped(x):
+        counts["full path"] += 1
+        y = FakeArray(x.shape, x.dtype)
+        callsite.launch(kernel, (1,), (32,), (y, x, tmap, np.int32(7)), deferred=True)
+        return y
+
+    x = FakeArray((4, 8))
+    for _ in range(3):
+        mapped(x)
+    assert counts["full path"] == 1 and callsite.STATS["hits"] >= 2
+    assert tmap.builds == [x.data.ptr, x.data.ptr]   # the recorded call's, then the replays' one
+    assert kernel.calls[-1][1:] == (x.data.ptr, x.data.ptr ^ 0xFF, 7)
+    x2 = FakeArray((4, 8))
+    mapped(x2)
+    assert counts["full path"] == 1 and tmap.builds[-1] == x2.data.ptr
+    assert kernel.calls[-1][1:] == (x2.data.ptr, x2.data.ptr ^ 0xFF, 7)
