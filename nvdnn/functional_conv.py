@@ -46,7 +46,8 @@ def conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activa
     is packed in x's layout, or written into ``out``); ``stride``, ``padding``, ``dilation``: an
     int or an (H, W) pair. ``bias``: K values; ``residual``: y's shape. float32 inputs:
     ``precision="exact"`` or ``"tf32"``. A 1x1 stride-1 conv is one GEMM over x as it lies;
-    every other conv gathers its columns (im2col) into a workspace first; ``groups`` > 1
+    on Hopper over NHWC every other one is an implicit GEMM (TMA im2col reads x in place), else
+    it gathers its columns (im2col) into a workspace first; ``groups`` > 1
     (grouped, depthwise) runs a direct kernel with the same epilogue, float32 sums.
     """
     attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups, "precision": precision}

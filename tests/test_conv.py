@@ -90,6 +90,7 @@ from nvdnn.errors import DeviceError, DTypeError, UnsupportedError, ValidationEr
 from nvdnn.graph.tensor import nhwc_strides  # noqa: E402
 from nvdnn.kernels import conv, repack  # noqa: E402
 from nvdnn.kernels.matmul import MatmulSpec  # noqa: E402
+from nvdnn.kernels.matmul.tensor_maps import Im2colMapArg  # noqa: E402
 from nvdnn.kernels.pointwise import Operand  # noqa: E402
 
 from .gpu import gpu_count  # noqa: E402
@@ -194,23 +195,66 @@ def test_1x1_nchw_is_a_batched_gemm_writing_nchw():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_3x3_gathers_then_runs_wgmma(dtype):
+def test_3x3_nhwc_on_hopper_is_one_implicit_gemm(dtype):
+    """TMA's im2col mode reads A from x in place: no gather pass, no scratch."""
     x, w = _op(dtype, (2, 64, 56, 56), "NHWC"), _op(dtype, (64, 64, 3, 3), "NHWC")   # KRSC weight
     plan = conv.plan_conv_fprop(x, w, bias=Operand(dtype, (64,), (1,)), padding=1, arch="sm_90")
-    gather, gemm = plan.launches
-    assert gather.spec == conv.Im2colSpec(dtype, 8) and gather.pointers == ("scratch0", "x")
-    assert gemm.spec.kernel == "wgmma" and gemm.pointers == ("y", "scratch0", "w", "bias")
-    assert plan.scratch == (2 * 56 * 56 * 576 * 2,)            # rows x (R*S*C at a 16-byte pitch)
+    (gemm,) = plan.launches
+    assert gemm.spec.kernel == "wgmma" and gemm.spec.a_gather == "im2col" and ".im2col" in gemm.spec.uri
+    assert gemm.pointers == ("y", "x", "w", "bias") and plan.scratch == ()
+    a_map, b_map = gemm.args[:2]
+    assert isinstance(a_map, Im2colMapArg) and a_map.pointer == 1
+    assert (a_map.dims, a_map.strides) == ((64, 56, 56, 2), (128, 56 * 128, 56 * 56 * 128))
+    assert (a_map.lower, a_map.upper, a_map.channels, a_map.steps) == ((-1, -1), (-1, -1), 64, (1, 1, 1, 1))
+    assert b_map.dims[:2] == (576, 64)
+
+
+def test_implicit_gemm_pads_each_tap_to_whole_channel_slices():
+    """C = 72, asymmetric stride, padding and dilation: K runs over 2 slices of 64 a tap (the
+    second past C reads zeros), B's map stops at R*S*C, the corners bound each tap's pixels."""
+    x, w = _op("float16", (2, 72, 17, 9), "NHWC"), _op("float16", (33, 72, 3, 2), "NHWC")
+    plan = conv.plan_conv_fprop(x, w, stride=(2, 1), padding=(1, 0), dilation=(1, 2), arch="sm_90")
+    (gemm,) = plan.launches
+    p, q = (17 + 2 - 2 - 1) // 2 + 1, (9 - 2 - 1) + 1
+    m, n, k = (int(v) for v in gemm.args[2:5])
+    assert (m, n, k) == (2 * p * q, 33, 3 * 2 * 128)
+    a_map, b_map = gemm.args[:2]
+    assert a_map.lower == (0, -1) and a_map.upper == ((q - 1) - (9 - 1), (p - 1) * 2 - 1 - 16)
+    assert a_map.steps == (1, 1, 2, 1) and b_map.dims[0] == 3 * 2 * 72
+    names = [p.split()[-1] for p in gemm.spec.render_context()["geometry_params"]]
+    tail = {name: int(v) for name, v in zip(names, gemm.args[2:]) if name.startswith("conv_")}
+    assert tail == dict(conv_c=72, conv_cb=2, conv_s=2, conv_pq=p * q, conv_q=q, conv_sh=2, conv_sw=1, conv_ph=1,
+                        conv_pw=0, conv_dh=1, conv_dw=2)
+
+
+@pytest.mark.parametrize("why, x, kwargs", [
+    ("NCHW", _op("float16", (2, 64, 16, 16), "NCHW"), dict(padding=1)),
+    ("channels not 16-byte pixels", _op("float16", (2, 12, 16, 16), "NHWC"), dict(padding=1)),
+    ("corner past 127", _op("float16", (1, 64, 16, 16), "NHWC"), dict(padding=130)),
+    ("Ampere", _op("float16", (2, 64, 16, 16), "NHWC"), dict(padding=1, arch="sm_80")),
+    ("exact float32", _op("float32", (2, 64, 16, 16), "NHWC"), dict(padding=1)),
+])
+def test_the_gather_pass_stays_where_an_im2col_map_cannot_read(why, x, kwargs):
+    kwargs = {"arch": "sm_90", **kwargs}
+    plan = conv.plan_conv_fprop(x, _op(x.dtype, (32, x.shape[1], 3, 3), "NHWC"), **kwargs)
+    assert plan.launches[0].spec.family == "im2col", why
+    assert not getattr(plan.launches[-1].spec, "a_gather", ""), why
+
+
+def test_tf32_nhwc_runs_the_implicit_gemm_with_32_channel_slices():
+    x, w = _op("float32", (2, 40, 9, 9), "NHWC"), _op("float32", (16, 40, 3, 3), "NHWC")
+    (gemm,) = conv.plan_conv_fprop(x, w, padding=1, precision="tf32", arch="sm_90").launches
+    assert gemm.spec.a_gather == "im2col" and gemm.spec.bk == 32 and int(gemm.args[4]) == 9 * 64
 
 
 def test_kcrs_weight_is_reordered_by_the_same_gather():
     x, w = _op("float16", (1, 5, 13, 11), "NCHW"), _op("float16", (7, 5, 3, 3), "NCHW")
     plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_90")
     assert _uris(plan)[:2] == ["im2col/f16.v1", "im2col/f16.v1"]
-    assert [l.pointers for l in plan.launches[:2]] == [("scratch0", "x"), ("scratch1", "w")]
+    assert [l.pointers for l in plan.launches[:2]] == [("scratch0", "w"), ("scratch1", "x")]
     pitch = repack.pitch(45, "float16")
-    assert plan.scratch[:2] == (13 * 11 * pitch * 2, 7 * pitch * 2)
-    assert plan.launches[-1].pointers[:3] == ("y", "scratch0", "scratch1")
+    assert plan.scratch[:2] == (7 * pitch * 2, 13 * 11 * pitch * 2)
+    assert plan.launches[-1].pointers[:3] == ("y", "scratch1", "scratch0")
 
 
 def test_gemm_scratch_follows_the_gather_scratch():
@@ -219,7 +263,7 @@ def test_gemm_scratch_follows_the_gather_scratch():
     x, w = _op("float32", (2, 64, 56, 56), "NCHW"), _op("float32", (64, 64, 3, 3), "NCHW")
     plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_90")
     pointers = [l.pointers for l in plan.launches]
-    assert pointers[:4] == [("scratch0", "x"), ("scratch1", "w"), ("scratch2", "scratch0"), ("scratch3", "scratch1")]
+    assert pointers[:4] == [("scratch0", "w"), ("scratch1", "x"), ("scratch2", "scratch1"), ("scratch3", "scratch0")]
     assert pointers[4][:3] == ("y", "scratch2", "scratch3") and len(plan.scratch) == len(
         {p for ps in pointers for p in ps if p.startswith("scratch")})
 
@@ -228,7 +272,7 @@ def test_gather_vectors_need_contiguous_aligned_channels():
     cases = {("NHWC", 64, 16): 8, ("NHWC", 12, 16): 4, ("NHWC", 5, 16): 1, ("NCHW", 64, 16): 1, ("NHWC", 64, 4): 2}
     for (layout, c, align), vec in cases.items():
         x = Operand("float16", (1, c, 8, 8), conv.packed_strides((1, c, 8, 8), layout), align)
-        plan = conv.plan_conv_fprop(x, _op("float16", (4, c, 3, 3), "NHWC"), arch="sm_90")
+        plan = conv.plan_conv_fprop(x, _op("float16", (4, c, 3, 3), "NHWC"), arch="sm_80")   # no im2col maps
         assert plan.launches[0].spec.vec == vec, (layout, c, align)
 
 
@@ -236,16 +280,17 @@ def test_gather_index_arithmetic_is_32_bit_until_it_cannot_be():
     w = _op("float32", (64, 64, 3, 3), "NCHW")
     for n, index in ((64, "int32"), (128, "int64")):   # 64 * 224^2 * 576 elements fit 2^31 - 1; twice that not
         plan = conv.plan_conv_fprop(_op("float32", (n, 64, 224, 224), "NCHW"), w, padding=1, arch="sm_80")
-        assert plan.launches[0].spec.index == index
+        (gather,) = [launch for launch in plan.launches if launch.pointers[1:] == ("x",)]
+        assert gather.spec.index == index
 
 
-def test_graph_explain_shows_the_gather_and_the_gemm():
+def test_graph_explain_shows_the_reorder_and_the_implicit_gemm():
     g, x, w = _graph((2, 64, 56, 56), (64, 64, 3, 3))
     g.relu(g.conv_fprop(x, w, g.tensor(dims=[64], name="b"), padding=1), name="y").set_output(True)
     g.build()
     text = g.explain()
     assert "conv[conv_fprop -> relu](x, w, b) -> y" in text
-    assert "launches: im2col/f16.v8 -> im2col/f16.v1 -> matmul/wgmma/f16.kxf16.k->f16/bias.col.f16/ep=relu/" in text
+    assert "launches: im2col/f16.v1 -> matmul/wgmma/f16.k.im2colxf16.k->f16/bias.col.f16/ep=relu/" in text
 
 
 def test_ampere_runs_mma_and_float32_exact_small_runs_simt():
@@ -361,6 +406,56 @@ def _read(buffer, dims, strides):
     return buffer[index]
 
 
+def _im2col_box(tmap, x, width, c0, w0, h0, n0, dw, dh):
+    """One TMA im2col copy as the PTX ISA's im2col mode states it: ``tmap.pixels`` pixels walked
+    from input pixel (n0, h0 + dh, w0 + dw) through the tap's bounding box (corners + offsets)
+    at the map's steps, W, then H, then the next image from the box's corner; ``channels`` from
+    c0; zeros outside the image and past C."""
+    (c_, w_, h_, n_), (sw, sh, sn) = tmap.dims, (st // width for st in tmap.strides)
+    lo_w, lo_h = tmap.lower[0] + dw, tmap.lower[1] + dh
+    hi_w, hi_h = w_ - 1 + tmap.upper[0] + dw, h_ - 1 + tmap.upper[1] + dh
+    out = np.zeros((tmap.pixels, tmap.channels))
+    n, h, w = n0, h0 + dh, w0 + dw
+    for i in range(tmap.pixels):
+        if 0 <= n < n_ and 0 <= h < h_ and 0 <= w < w_:
+            c = np.arange(c0, min(c0 + tmap.channels, c_))
+            out[i, :len(c)] = x[n * sn + h * sh + w * sw + c]
+        w += tmap.steps[1]
+        if w > hi_w:
+            w, h = lo_w, h + tmap.steps[2]
+            if h > hi_h:
+                h, n = lo_h, n + 1
+    return out
+
+
+def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0):
+    """A (M, K) and B (K, N) as the wgmma producer loads them for an im2col A: per tile of BM
+    rows its first pixel and tap-0 corner, per K slice (from ``k0``, the split's start) the
+    channel slice and tap its counters walk, A by the im2col map, B's columns tap * C + cb * BK."""
+    c, cbs, s_, pq, q, sh, sw, ph, pw, dh, dw = conv_args
+    bk, bm = spec.bk, spec.bm
+    a = np.zeros((-(-m // bm) * bm, k))
+    b_rows = np.zeros((k, b.shape[1]))
+    for tm in range(-(-m // bm)):
+        img, ohw = divmod(tm * bm, pq)
+        h0, w0 = (ohw // q) * sh - ph, (ohw % q) * sw - pw
+        cb = k0 // bk
+        tap, cb = divmod(cb, cbs)
+        fr, fs = divmod(tap, s_)
+        for g in range(k0 // bk, k // bk):
+            a[tm * bm:(tm + 1) * bm, g * bk:(g + 1) * bk] = _im2col_box(a_map, x, width, cb * bk, w0, h0, img,
+                                                                       fs * dw, fr * dh)
+            kcol = (fr * s_ + fs) * c + cb * bk
+            rows = b[kcol:kcol + bk]
+            b_rows[g * bk:g * bk + len(rows)] = rows
+            cb += 1
+            if cb == cbs:
+                cb, fs = 0, fs + 1
+                if fs == s_:
+                    fs, fr = 0, fr + 1
+    return a[:m, k0:], b_rows[k0:]
+
+
 def _emulate_gemm(launch, mem):
     spec, args = launch.spec, list(launch.args)
     assert not spec.split and not spec.amax and not spec.scaled   # a split-K finish sums the same products
@@ -370,8 +465,19 @@ def _emulate_gemm(launch, mem):
     args = args[10:]
     if maps:
         bmul = [int(args.pop(0)), int(args.pop(0))]
+        conv_args = [int(args.pop(0)) for _ in range(11)] if spec.a_gather else None
+        chunk = int(args.pop(0)) if spec.finish else k
         if spec.finish:
-            assert 0 < int(args.pop(0)) < k and launch.pointers[-1].startswith("scratch")   # the K chunk
+            assert 0 < chunk < k and launch.pointers[-1].startswith("scratch")   # the K chunk
+    if maps and spec.a_gather:   # every split's walk from its own start: together the whole K
+        b_map, width = maps[1], 2 if spec.a_dtype != "float32" else 4
+        assert b_map.dims[0] <= k and spec.b_major == "k"
+        b_mat = _read(mem[launch.pointers[2]], b_map.dims[1::-1], (b_map.strides[0] // width, 1)).T
+        parts = [_im2col_operands(spec, maps[0], mem[launch.pointers[1]], width, b_mat, m, k, conv_args, k0)
+                 for k0 in range(0, k, chunk)]
+        a = np.concatenate([p[0][:, :min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], axis=1)[None]
+        b = np.concatenate([p[1][:min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], axis=0)[None]
+    elif maps:
         ops = []
         for tmap, mul, rows in zip(maps, bmul, (m, n)):
             buffer = mem[launch.pointers[tmap.pointer]]
@@ -440,6 +546,11 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((3, 5, 13, 11), (7, 5, 1, 1), 1, 0, 1, "float16", "sm_90", ("NHWC", "NCHW")),   # rows no tensor map reads
     ((8, 3, 64, 64), (64, 3, 7, 7), 2, 3, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # B (R*S*C = 147) repacked
     ((3, 5, 13, 11), (7, 5, 1, 1), 1, 0, 1, "bfloat16", "sm_90", ("NCHW", "NCHW")),
+    # implicit GEMM (TMA im2col): taps of 2 channel slices, the second partial; asymmetric
+    # geometry; a KCRS weight reordered; few pixels, long K (split-K finish)
+    ((2, 72, 17, 9), (33, 72, 3, 2), (2, 1), (1, 0), (1, 2), "float16", "sm_90", ("NHWC", "NHWC")),
+    ((2, 16, 9, 7), (24, 16, 3, 3), 2, 1, 1, "bfloat16", "sm_90", ("NHWC", "NCHW")),
+    ((1, 256, 5, 3), (64, 256, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
 ]
 
 

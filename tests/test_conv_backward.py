@@ -142,11 +142,14 @@ def test_a_weight_no_stride_walks_is_reordered_for_dgrad():
 def test_stride_1_dgrad_is_the_forward_over_dy_with_the_flipped_weight():
     dy, w = _op("float16", (32, 64, 56, 56), "NHWC"), _op("float16", (64, 128, 3, 3), "NHWC")
     plan = cb.plan_conv_dgrad(dy, w, (32, 128, 56, 56), padding=1, arch="sm_90")
-    flip, gather, gemm = plan.launches
+    flip, gemm = plan.launches   # dy read in place by the implicit GEMM (TMA im2col): no columns in scratch
     assert flip.pointers == ("scratch0", "w") and tuple(int(v) for v in flip.args[8:14]) == (-2, -2, 1, 1, -1, -1)
-    assert gather.spec == conv.Im2colSpec("float16", 8) and gather.pointers == ("scratch1", "dy")
-    assert gemm.spec.kernel == "wgmma" and gemm.pointers == ("dx", "scratch1", "scratch0")
-    assert plan.scratch[1] == 32 * 56 * 56 * 576 * 2    # dy's columns in fp16: half the col2im path's float32
+    assert gemm.spec.kernel == "wgmma" and gemm.spec.a_gather == "im2col"
+    assert gemm.pointers == ("dx", "dy", "scratch0") and plan.scratch == (64 * 128 * 9 * 2,)
+    ampere = cb.plan_conv_dgrad(dy, w, (32, 128, 56, 56), padding=1, arch="sm_80")
+    assert ampere.launches[1].spec == conv.Im2colSpec("float16", 8)
+    assert ampere.launches[1].pointers == ("scratch1", "dy")
+    assert ampere.scratch[1] == 32 * 56 * 56 * 576 * 2    # dy's columns in fp16: half the col2im path's float32
 
 
 # -- planning --------------------------------------------------------------------------------------------

@@ -24,6 +24,12 @@ LAYERS = {  # name: (N, C, H, W, K, R, S, stride, padding, dilation)
     "odd_13x11": (3, 5, 13, 11, 7, 3, 3, 1, 1, 1),
     "odd_dilated": (1, 5, 13, 11, 7, 3, 2, (2, 1), (1, 0), (1, 2)),
     "odd_1x1": (3, 5, 13, 11, 7, 1, 1, 1, 0, 1),
+    # NHWC on Hopper: the implicit GEMM (TMA im2col) -- channel slices past C, asymmetric
+    # stride / padding / dilation, tiles across images, few pixels with a long K (split-K)
+    "im2col_c72_asym": (2, 72, 17, 9, 33, 3, 2, (2, 1), (1, 0), (1, 2)),
+    "im2col_c24": (3, 24, 13, 11, 40, 3, 3, 1, 1, 1),
+    "im2col_s2_images": (5, 64, 7, 9, 64, 3, 3, 2, 1, 1),
+    "im2col_split_k": (1, 512, 7, 7, 512, 3, 3, 1, 1, 1),
 }
 PRECISIONS = (("float16", "exact"), ("bfloat16", "exact"), ("float32", "exact"), ("float32", "tf32"))
 EPILOGUES = ("plain", "bias_relu", "bias_residual_relu")

@@ -4,9 +4,13 @@ family's fused epilogue (bias per output channel = per column, activation, resid
 - 1x1, stride 1, no padding: A is x itself (rows (n, h, w), columns c) -- a strided Operand
   view, no copy; NHWC gives a K-major A, NCHW an M-major one (wgmma reads both for 16-bit types,
   plan_matmul repacks where its kernels cannot).
-- every other case: an im2col pass (templates/conv/im2col.cu.j2) gathers A into plan scratch,
-  K-major, columns (r, s, c), rows at a 16-byte pitch, zero where a tap falls in the padding;
-  the GEMM reads it. One plan: gather, then GEMM.
+- every other case on Hopper with x NHWC (pixels at 16-byte strides) and rows folding into one
+  stride: an implicit GEMM, the wgmma kernel reading A from x by TMA's im2col mode
+  (matmul.Im2colA: K walks each tap's channels in slices of one 128-byte row, zeros past C and
+  in the padding). No gather, no scratch.
+- else: an im2col pass (templates/conv/im2col.cu.j2) gathers A into plan scratch, K-major,
+  columns (r, s, c), rows at a 16-byte pitch, zero where a tap falls in the padding; the GEMM
+  reads it. One plan: gather, then GEMM.
 
 B is w read as (R*S*C, K): directly where w's (r, s, c) fold into one stride (KRSC, or any
 1x1 weight), else the same im2col kernel reorders it (w as a (K, C, R, S) image, P = Q = 1)
@@ -104,8 +108,8 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
                     stride=1, padding=0, dilation=1, groups: int = 1, epilogue=(), params=(),
                     out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
                     arch: str | None = None, tile=None, norm: matmul.Norm | None = None) -> Plan:
-    """y = epilogue(norm(conv(x, w) + bias[k]) + residual): an im2col gather (unless the conv is a
-    1x1 GEMM over x as it lies) and one plan_matmul, in one Plan. ``norm``: an inference batch
+    """y = epilogue(norm(conv(x, w) + bias[k]) + residual): one plan_matmul (an implicit GEMM, or
+    a 1x1 GEMM over x as it lies, or after an im2col gather), in one Plan. ``norm``: an inference batch
     norm per output channel (a matmul.Norm of (K,) vectors), folded into the GEMM's epilogue.
     Pointers: "y", "x", "w", "bias", "norm_mean", "norm_var", "norm_gamma", "norm_beta",
     "residual"; y's strides ``out_strides`` (default: packed in x's layout)."""
@@ -137,17 +141,6 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
     flat = all(fold(((cv.n, s[0]), (cv.p, s[2]), (cv.q, s[3]))) is not None for s in ys)
     j = cv.r * cv.s * cv.c
     launches, scratch, names = [], [], {}
-    if direct:
-        a = _gemm_view("x", x, cv, flat, cv.c)
-        names["a"] = "x"
-    else:
-        ld = repack.pitch(j, x.dtype)
-        launch, size = _im2col(x.dtype, x, cv, ld, "scratch0", "x")
-        launches.append(launch), scratch.append(size)
-        rows = cv.n * cv.p * cv.q
-        a = (Operand(x.dtype, (rows, j), (ld, 1)) if flat
-             else Operand(x.dtype, (cv.n, cv.p * cv.q, j), (cv.p * cv.q * ld, ld, 1)))
-        names["a"] = "scratch0"
     wk, wc, wr, ws = w.strides
     b_step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     if b_step is not None:  # (r, s, c) walk w by one stride: B is w as it lies
@@ -163,12 +156,45 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
         names["b"] = dst
     y_strides = _rows("y", out_strides, cv, flat)[1] + (out_strides[1],)
     res = _gemm_view("residual", residual, cv, flat, cv.k) if residual is not None else None
-    gemm = matmul.plan_matmul(a, b, bias=bias, bias_axis="col", residual=res, epilogue=epilogue, params=params,
-                              out_dtype=out_dtype, out_strides=y_strides, out_align=out_align, precision=precision,
-                              arch=arch, tile=tile, norm=norm)
+    gemm_args = dict(bias=bias, bias_axis="col", residual=res, epilogue=epilogue, params=params, out_dtype=out_dtype,
+                     out_strides=y_strides, out_align=out_align, precision=precision, arch=arch, tile=tile, norm=norm)
+    gemm = None if direct or not flat else _implicit(x, b, cv, gemm_args)
+    if gemm is not None:
+        names["a"] = "x"
+    elif direct:
+        gemm = matmul.plan_matmul(_gemm_view("x", x, cv, flat, cv.c), b, **gemm_args)
+        names["a"] = "x"
+    else:
+        ld = repack.pitch(j, x.dtype)
+        dst = f"scratch{len(scratch)}"
+        launch, size = _im2col(x.dtype, x, cv, ld, dst, "x")
+        launches.append(launch), scratch.append(size)
+        rows = cv.n * cv.p * cv.q
+        a = (Operand(x.dtype, (rows, j), (ld, 1)) if flat
+             else Operand(x.dtype, (cv.n, cv.p * cv.q, j), (cv.p * cv.q * ld, ld, 1)))
+        names["a"] = dst
+        gemm = matmul.plan_matmul(a, b, **gemm_args)
     names.update({f"scratch{i}": f"scratch{i + len(scratch)}" for i in range(len(gemm.scratch))})
     gemm_launches = tuple(l._replace(pointers=tuple(names.get(p, p) for p in l.pointers)) for l in gemm.launches)
     return Plan(tuple(launches) + gemm_launches, scratch=tuple(scratch) + gemm.scratch)
+
+
+def _implicit(x: Operand, b: Operand, cv: Conv, gemm_args: dict) -> Plan | None:
+    """The GEMM reading A in place (TMA im2col of an NHWC x: implicit GEMM, no gather pass), or
+    None where it cannot: x's layout or geometry past what an im2col tensor map takes, or no
+    wgmma kernel for the request (not Hopper; exact float32)."""
+    if x.strides[1] != 1:
+        return None
+    gather = matmul.Im2colA(x.dtype, (cv.n, cv.c, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride, cv.padding,
+                            cv.dilation, (x.strides[0], x.strides[2], x.strides[3]))
+    if gather.unsupported(x.align) is not None:
+        return None
+    k = gather.k(128 // dtypes.BY_NAME[x.dtype].itemsize)   # the wgmma kernel's BK: one 128-byte row
+    a = Operand(x.dtype, (cv.n * cv.p * cv.q, k), (k, 1))
+    try:
+        return matmul.plan_matmul(a, b._replace(shape=(k, b.shape[1])), gather=gather, **gemm_args)
+    except UnsupportedError:
+        return None
 
 
 def candidates(spec) -> list:

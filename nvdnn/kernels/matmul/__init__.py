@@ -11,7 +11,9 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   mbarriers, one producer warpgroup and one or two consumer warpgroups, a persistent grid
   walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) with A and B
   in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 and fp8 e4m3 /
-  e5m2 (k32) K-major; 16-byte aligned strides and addresses. An operand it cannot read as it
+  e5m2 (k32) K-major; 16-byte aligned strides and addresses. A may also be a convolution's
+  im2col matrix read in place from the NHWC image by TMA's im2col mode (``Im2colA``: implicit
+  GEMM, kernels/conv.py). An operand it cannot read as it
   lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as
   3xTF32 (operands split into tf32 hi / lo planes, one tf32 GEMM over 3K, sums drained into
   float32). Tiles by a wave model (``heuristic._wgmma_tile``); split-K (``heuristic.split_count``:
@@ -37,13 +39,15 @@ from __future__ import annotations
 
 from .backward import MatmulDactSpec, batch_rule, plan_matmul_backward
 from .heuristic import split_count
-from .planning import Geometry, TensorMapArg, geometry, output_shape, plan_matmul, pointwise_contiguous
+from .planning import Geometry, geometry, output_shape, plan_matmul, pointwise_contiguous
+from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (EPI_DTYPES, FP8, HALF, IN_DTYPES, OUT_DTYPES, PRECISION_CHOICES, MatmulReduceSpec, MatmulSpec,
                     MatmulZeroSpec, Norm, check_operand_types, check_precision, unsupported_reason)
 from .skinny import SkinnySpec
 from .tune import candidates, layouts, preset
 
-__all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "MatmulDactSpec",
+__all__ = ["EPI_DTYPES", "FP8", "HALF", "IN_DTYPES", "OUT_DTYPES", "PRECISION_CHOICES", "Geometry", "Im2colA",
+           "MatmulDactSpec",
            "MatmulReduceSpec", "MatmulSpec", "MatmulZeroSpec", "Norm", "SkinnySpec", "TensorMapArg", "batch_rule",
            "candidates", "check_operand_types", "check_precision", "geometry", "layouts", "output_shape", "plan_matmul",
            "plan_matmul_backward", "pointwise_contiguous", "preset", "split_count", "unsupported_reason"]

@@ -17,55 +17,10 @@ from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
 from .heuristic import _heuristic_tile, split_count
 from .skinny import SkinnySpec, plan_skinny
+from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
                     MatmulSpec, MatmulZeroSpec, Norm, _epilogue_roles, _size, check_norm, check_operand_types,
                     check_precision, epilogue_args)
-
-# -- launch-time arguments --------------------------------------------------------------------------
-
-class TensorMapArg(NamedTuple):
-    """A TMA tensor map (CUtensorMap, 128 bytes by value) over the array of launch pointer
-    ``pointer``: 3D (K, rows, batch) in elements, strides in bytes, a (box_k, box_rows, 1) box,
-    128-byte swizzle, zero fill out of bounds. Built at launch from the array's address
-    (``resolve``): host work only, no synchronization; kept per address."""
-    pointer: int
-    dtype: str
-    dims: tuple
-    strides: tuple
-    box: tuple
-
-    def resolve(self, address: int):
-        return _tensor_map(address, self)
-
-
-_MAPS: dict = {}
-_MAP_TYPES = {"float32": "FLOAT32", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "float8_e4m3": "UINT8", "float8_e5m2": "UINT8"}
-
-
-def _tensor_map(address: int, arg: TensorMapArg):
-    key = (address, arg)
-    found = _MAPS.get(key)
-    if found is not None:
-        return found
-    from cuda.bindings import driver
-    import ctypes
-    kind = getattr(driver.CUtensorMapDataType, "CU_TENSOR_MAP_DATA_TYPE_" + _MAP_TYPES[arg.dtype])
-    err, tmap = driver.cuTensorMapEncodeTiled(
-        kind, 3, address, [driver.cuuint64_t(d) for d in arg.dims], [driver.cuuint64_t(s) for s in arg.strides],
-        [driver.cuuint32_t(b) for b in arg.box], [driver.cuuint32_t(1)] * 3,
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise UnsupportedError(f"cuTensorMapEncodeTiled refused dims {arg.dims}, strides {arg.strides}, box "
-                               f"{arg.box} at 0x{address:x}: {err}")
-    raw = np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), dtype=np.dtype((np.void, 128))).copy()
-    if len(_MAPS) > 4096:
-        _MAPS.clear()
-    _MAPS[key] = raw  # a one-element array: CuPy passes it by value (128 bytes)
-    return raw
-
 
 # -- planning ---------------------------------------------------------------------------------------
 
@@ -198,7 +153,8 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
                 residual: Operand | None = None, alpha: float = 1.0, beta: float = 1.0, epilogue=(), params=(),
                 out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
                 amax: bool = False, arch: str | None = None, tile: MatmulSpec | None = None,
-                split_k: int | None = None, sms: int | None = None, norm: Norm | None = None) -> Plan:
+                split_k: int | None = None, sms: int | None = None, norm: Norm | None = None,
+                gather: Im2colA | None = None) -> Plan:
     """y = epilogue(alpha [* scale_a * scale_b] * (a @ b) [+ bias] [+ beta * residual]) [* scale_out].
 
     Pointers: "y" (``out_strides``, default packed row-major), "a", "b", then "bias" (1-D: M
@@ -212,7 +168,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges whose float32 partials are summed before the epilogue (None: the
     heuristic decides); on the wgmma kernel in the same launch (the last split of a tile to
-    finish sums them), elsewhere, or past GRID_COUNTERS output tiles, by a second launch."""
+    finish sums them), elsewhere, or past GRID_COUNTERS output tiles, by a second launch.
+    ``gather``: A is a conv's im2col read in place (tensor_maps.Im2colA; ``a`` stands for its
+    (pixels, gather.k(bk)) shape, K-major): the wgmma kernel only, else UnsupportedError."""
     for name, op in (("a", a), ("b", b)):
         if op.dtype not in IN_DTYPES:
             raise DTypeError(f"{name}: data type {op.dtype} is not one of {', '.join(IN_DTYPES)}", arg=name)
@@ -271,20 +229,26 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
     sms = sms or _sm_count()
-    skinny = plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align), bstride,
-                         out_strides, r_strides, scalars, params, tile, split_k, sms)
+    skinny = None if gather else plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align),
+                                             (b_major, b_sn, b_sk, b.align), bstride,
+                                             out_strides, r_strides, scalars, params, tile, split_k, sms)
     if skinny is not None:  # decode rows: the memory-bound GEMV (heuristic.skinny_rows)
         return skinny
     if isinstance(tile, SkinnySpec):
         tile = None
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
+    if gather is not None:
+        if spec.kernel != "wgmma" or spec.promote or not _wgmma_direct(b.dtype, b_major, b_sn, b_sk, b.align, 0):
+            raise UnsupportedError(f"an implicit im2col A needs the wgmma kernel reading B in place, not {spec.uri}")
+        spec = dataclasses.replace(spec, a_gather="im2col")
     repacks, scratch = [], []
     if spec.kernel == "wgmma":
         repacks, scratch, (a_sm, a_sk), (b_sk, b_sn), geo = _repacks(
             geo, (a, a_major, a_sm, a_sk), (b, b_major, b_sn, b_sk), three_tf32=precision == "exact"
             and a.dtype == "float32")
-    plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, scalars, params, sms, split_k)
+    plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, scalars, params, sms, split_k,
+                  gather)
     if not repacks:
         return plan
     # the GEMM reads the repacked copies; its own scratch (split-K partials) follows theirs
@@ -395,7 +359,7 @@ def _ints(*values) -> tuple:
 
 
 def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_strides, r_strides, scalars, params,
-           sms, split_k) -> Plan:
+           sms, split_k, gather=None) -> Plan:
     batch, m, n, k = geo.batch, geo.m, geo.n, geo.k
     a_sm, a_sk = a_str
     b_sk, b_sn = b_str
@@ -418,7 +382,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     out_tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
     fin = _finish_spec(spec, out_tiles) if splits > 1 else None
     if fin is not None:  # one launch: each split's partial tile to scratch, the last split of a tile finishes it
-        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits)
+        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits, gather)
         launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
                                + ("scratch0",), maps + geometry_args + bmul + (np.int32(chunk),) + epi_args))
         return Plan(tuple(launches), scratch=(splits * out_tiles * spec.bm * spec.bn * 4,))
@@ -427,7 +391,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
                                    amax=False, scaled=False, split=True, norm="")
         part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
         if spec.kernel == "wgmma":
-            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits)
+            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits, gather)
             part_args = maps + geometry_args + bmul + part_args
         else:
             grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
@@ -443,7 +407,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         return Plan(tuple(launches), scratch=(splits * batch * m * n * 4,))
     pointers = ("y", "a", "b") + epi_roles
     if spec.kernel == "wgmma":
-        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch)
+        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch, gather)
         args = maps + geometry_args + bmul + epi_args
         launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
         return Plan(tuple(launches))
@@ -463,18 +427,21 @@ def _finish_spec(spec: MatmulSpec, out_tiles: int) -> MatmulSpec | None:
         return None
 
 
-def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int) -> tuple:
+def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int, gather=None) -> tuple:
     """The wgmma kernel's tensor maps, its persistent grid over ``planes`` (batch, or batch x
-    splits) of tiles, and the batch multipliers of its A and B coordinates (0: broadcast)."""
+    splits) of tiles, and the arguments after the geometry's: the batch multipliers of its A
+    and B coordinates (0: broadcast), and an implicit A's conv geometry."""
     (a_sm, a_sk), (b_sk, b_sn) = a_str, b_str
     m, n, k, batch = geo.m, geo.n, geo.k, geo.batch
-    maps = (_operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm),
-            _operand_map(2, spec.b_dtype, spec.b_major == "k", n, k, b_sn, b_sk, geo.b[2], batch, spec.bk,
-                         spec.bn // spec.cluster))
+    a_map = (gather.tensor_map(1, spec.bk, spec.bm) if gather else
+             _operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm))
+    maps = (a_map, _operand_map(2, spec.b_dtype, spec.b_major == "k", n, gather.b_k if gather else k, b_sn, b_sk,
+                                geo.b[2], batch, spec.bk, spec.bn // spec.cluster))
     c = spec.cluster
     tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * planes   # tile groups of c blocks
     grid = (c * max(1, min(sms // c, tiles)), 1, 1)
-    return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0))
+    return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + (
+        gather.args(spec.bk) if gather else ())
 
 
 def _operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:

@@ -35,6 +35,9 @@ INT32_MAX = 2 ** 31 - 1
 DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's size without a device
 _CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
           "float8_e4m3": "unsigned char", "float8_e5m2": "unsigned char"}
+# the implicit-GEMM A operand's geometry (tensor_maps.Im2colA.args), after a_bmul / b_bmul
+GATHER_PARAMS = ("conv_c", "conv_cb", "conv_s", "conv_pq", "conv_q", "conv_sh", "conv_sw", "conv_ph", "conv_pw",
+                 "conv_dh", "conv_dw")
 _PTX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
 
 
@@ -220,6 +223,7 @@ class MatmulSpec(KernelSpec):
     promote: bool = False        # wgmma fp8 / tf32: drain the tensor-core sums into float32 every two K slices
                                  # (False: fast accumulation, the tensor core's reduced precision throughout)
     norm: str = optional_field("")  # NORMS: a folded inference batch norm per column, after the bias
+    a_gather: str = optional_field("")  # wgmma: "im2col": A is a conv's im2col of an NHWC image, read in place
 
     @property
     def template(self) -> str:
@@ -266,6 +270,10 @@ class MatmulSpec(KernelSpec):
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
+        one_of(self.a_gather, ("", "im2col") if self.a_dtype not in FP8 else ("",), "a_gather")
+        if self.a_gather and (self.a_major != "k" or self.promote):
+            raise ValidationError("a_gather: an im2col A is K-major (channels contiguous), no promoting",
+                                  arg="a_gather")
         if self.finish and self.residual and self.bn > 192:  # sm_90a, 168 registers: 28 bytes spilled
             raise ValidationError("finish: a split-K finish with a residual holds too many registers at bn "
                                   f"{self.bn} (at most 192)", arg="finish")
@@ -278,6 +286,7 @@ class MatmulSpec(KernelSpec):
                                   f"{ACCUMULATORS[bool(self.promote)]}", arg="bn")
 
     def _validate_mma(self):
+        one_of(self.a_gather, ("",), "a_gather")
         if self.a_dtype in FP8:
             raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
         one_of(self.a_major, ("k", "m"), "a_major")
@@ -296,6 +305,7 @@ class MatmulSpec(KernelSpec):
             raise ValidationError("wm/wn: 1 to 8 warps", arg="wm")
 
     def _validate_simt(self):
+        one_of(self.a_gather, ("",), "a_gather")
         one_of(self.a_major, A_MAJORS, "a_major")
         one_of(self.b_major, B_MAJORS, "b_major")
         one_of(self.precision, ("exact",) if self.a_dtype == "float32" else ("",), "precision")
@@ -338,7 +348,8 @@ class MatmulSpec(KernelSpec):
                      + ("p" if self.promote else ""))
         if self.kernel == "mma":
             tile += f"v{self.vec}"
-        return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}x{_short(self.b_dtype)}.{self.b_major}"
+        return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}" + (".im2col" if self.a_gather else "")
+                + f"x{_short(self.b_dtype)}.{self.b_major}"
                 + (f"/{self.precision}" if self.precision else "") + ("/split" if self.split else "")
                 + ("/splitk" if self.finish else "")
                 + _epilogue_uri(self) + "/" + tile)
@@ -361,7 +372,8 @@ class MatmulSpec(KernelSpec):
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
-            "a_major": self.a_major, "b_major": self.b_major, "split": self.split, "finish": self.finish,
+            "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather,
+            "split": self.split, "finish": self.finish,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
             "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
@@ -373,6 +385,7 @@ class MatmulSpec(KernelSpec):
             "geometry_params": ["int M", "int N", "int K", "int batch", "long long a_sm", "long long a_sk",
                                 "long long a_sb", "long long b_sk", "long long b_sn", "long long b_sb"]
             + (["int a_bmul", "int b_bmul"] if self.kernel == "wgmma" else [])
+            + [f"int {name}" for name in (GATHER_PARAMS if self.a_gather else ())]
             + (["int k_chunk"] if self.split or self.finish else []) + _epilogue_scalars(self),
         })
         return ctx
