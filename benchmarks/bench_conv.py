@@ -41,7 +41,7 @@ FLOPS: dict = {}   # row name -> the conv's FLOPs (for TFLOP/s)
 def resnet50_layers(batch: int) -> list[tuple]:
     """The distinct conv geometries of the ResNet-50 preset (nvdnn warm --preset resnet50)."""
     from nvdnn import models
-    values = {"n": batch, "dtype": F16, "layout": "NCHW"}
+    values = {"n": batch, "dtype": F16, "layout": "NCHW", "bn": "separate"}   # the forward convs, once each
     out = []
     for row in models.rows_for(models.RESNET50, values):
         if row.op != "conv_fprop":

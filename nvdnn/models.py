@@ -225,8 +225,9 @@ def _resnet50_variants(p: dict) -> list[dict]:
 
 
 RESNET50 = Model(
-    "resnet50", "ResNet-50 inference: the convolutions (im2col gather + GEMM; 1x1 stride 1: the GEMM alone), "
-    "batch norm (+ReLU), residual add + ReLU, max pool, global average pool, the fc layer (x @ w.T + b); "
+    "resnet50", "ResNet-50 inference: the convolutions (implicit GEMM on Hopper NHWC, else im2col gather + GEMM; "
+    "1x1 stride 1: the GEMM alone), batch norm (+ReLU), residual add + ReLU, max pool, global average pool, "
+    "the fc layer (x @ w.T + b); "
     "with bn=folded the convs carry the folded BN's bias, ReLU and the residual add; training=1 (bn=separate): "
     "the convolutions' dgrad and wgrad too",
     (Param("batch", "ints", "1,8,32,64", "batch sizes"),
