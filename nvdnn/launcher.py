@@ -9,9 +9,7 @@ import numpy as np
 from . import arrays, callsite, compiler, runtime
 from .cache import default_cache
 from .errors import ValidationError
-from .kernels import Plan
-
-SCRATCH_ALIGN = 256
+from .kernels import SCRATCH_ALIGN, Plan
 
 
 def scratch_layout(plan: Plan) -> tuple[tuple[int, ...], int]:

@@ -227,9 +227,24 @@ def test_implicit_gemm_pads_each_tap_to_whole_channel_slices():
                         conv_pw=0, conv_dh=1, conv_dw=2)
 
 
+@pytest.mark.parametrize("x, pitch, mode", [
+    (_op("float16", (2, 64, 16, 16), "NCHW"), 64, "im2col"),
+    (_op("float16", (2, 12, 16, 16), "NHWC"), 16, "im2col32"),      # pixels off 16-byte strides
+    (_op("bfloat16", (2, 3, 16, 16), "NHWC"), 8, "im2col16"),       # the RGB stem
+    (_op("float32", (2, 3, 16, 16), "NCHW"), 4, "im2col16"),
+])
+def test_an_x_no_im2col_map_reads_is_relaid_once_into_padded_nhwc(x, pitch, mode):
+    """Not the gather's R * S copies: one pass writes x as NHWC with C padded to 16 bytes by zeros."""
+    plan = conv.plan_conv_fprop(x, _op(x.dtype, (32, x.shape[1], 3, 3), "NHWC"), padding=1, arch="sm_90",
+                                precision="tf32" if x.dtype == "float32" else "exact")
+    relayout, gemm = plan.launches[0], plan.launches[-1]
+    assert relayout.spec.pad and relayout.pointers == ("scratch0", "x") and int(relayout.args[-1]) == pitch
+    width = 4 if x.dtype == "float32" else 2
+    assert plan.scratch[0] == 2 * 16 * 16 * pitch * width
+    assert gemm.spec.a_gather == mode and gemm.pointers[1] == "scratch0" and gemm.args[0].dims[0] == pitch
+
+
 @pytest.mark.parametrize("why, x, kwargs", [
-    ("NCHW", _op("float16", (2, 64, 16, 16), "NCHW"), dict(padding=1)),
-    ("channels not 16-byte pixels", _op("float16", (2, 12, 16, 16), "NHWC"), dict(padding=1)),
     ("corner past 127", _op("float16", (1, 64, 16, 16), "NHWC"), dict(padding=130)),
     ("Ampere", _op("float16", (2, 64, 16, 16), "NHWC"), dict(padding=1, arch="sm_80")),
     ("exact float32", _op("float32", (2, 64, 16, 16), "NHWC"), dict(padding=1)),
@@ -249,7 +264,7 @@ def test_tf32_nhwc_runs_the_implicit_gemm_with_32_channel_slices():
 
 def test_kcrs_weight_is_reordered_by_the_same_gather():
     x, w = _op("float16", (1, 5, 13, 11), "NCHW"), _op("float16", (7, 5, 3, 3), "NCHW")
-    plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_90")
+    plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_80")
     assert _uris(plan)[:2] == ["im2col/f16.v1", "im2col/f16.v1"]
     assert [l.pointers for l in plan.launches[:2]] == [("scratch0", "w"), ("scratch1", "x")]
     pitch = repack.pitch(45, "float16")
@@ -341,12 +356,14 @@ def test_every_conv_kernel_compiles_and_the_gathers_do_not_spill(warmed):
     entries = warmed["entries"]
     assert {a for _, a in entries} == {"sm_80", "sm_90", "sm_90a"}
     gathers = {k: e for k, e in entries.items() if k[0].startswith("im2col/")}
-    assert len(gathers) == 2 * 22 and _spilled(gathers) == set()
-    assert _spilled(entries) <= {("matmul/wgmma/f16.kxf16.k->f16/bias.col.f16/ep=relu/256x128x64s4w2x1g8", "sm_90a")}
+    assert len([k for k in gathers if not k[0].endswith("/pad")]) == 2 * 22 and _spilled(gathers) == set()
+    assert _spilled(entries) <= {(f"matmul/wgmma/f16.k{a}xf16.k->f16/bias.col.f16/ep=relu/256x128x64s4w2x1g8", "sm_90a")
+                                 for a in ("", ".im2col")}
 
 
 @pytest.mark.xfail(strict=True, reason="the matmul heuristic's wgmma 256x128 tile with bias + ReLU spills 4 bytes "
-                   "on sm_90a (168 registers); nvdnn.matmul picks it too, e.g. (32, 784, 1152) @ (1152, 128)")
+                   "on sm_90a (168 registers), with an im2col A too; nvdnn.matmul picks it too, e.g. "
+                   "(32, 784, 1152) @ (1152, 128)")
 def test_conv_gemms_do_not_spill(warmed):
     assert _spilled(warmed["entries"]) == set()
 
@@ -385,11 +402,13 @@ def _emulate_im2col(launch, mem):
     col, x = (mem[p] for p in launch.pointers)
     n_, c_, h_, w_, p_, q_, r_, s_, ph, pw, sth, stw, dh, dw = (int(v) for v in launch.args[:14])
     sn, sc, sh, sw, ld = (int(v) for v in launch.args[14:])
-    assert launch.spec.vec == 1 or (sc == 1 and c_ % launch.spec.vec == 0 and ld % launch.spec.vec == 0)
+    assert launch.spec.vec == 1 or ld % launch.spec.vec == 0 and (launch.spec.pad or sc == 1 and c_ % launch.spec.vec == 0)
     n, p, q, r, s, c = np.indices((n_, p_, q_, r_, s_, c_))
     h, w = p * sth - ph + r * dh, q * stw - pw + s * dw
     inside = (h >= 0) & (h < h_) & (w >= 0) & (w < w_)
     src = np.where(inside, n * sn + c * sc + h * sh + w * sw, 0)
+    if launch.spec.pad:   # whole rows: zeros past the taps' columns
+        col[np.arange(n_ * p_ * q_ * ld)] = 0.0
     col[((n * p_ + p) * q_ + q) * ld + (r * s_ + s) * c_ + c] = np.where(inside, x[src], 0.0)
 
 
@@ -428,17 +447,28 @@ def _im2col_box(tmap, x, width, c0, w0, h0, n0, dw, dh):
     return out
 
 
-def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0):
-    """A (M, K) and B (K, N) as the wgmma producer loads them for an im2col A: per tile of BM
-    rows its first pixel and tap-0 corner, per K slice (from ``k0``, the split's start) the
-    channel slice and tap its counters walk, A by the im2col map, B's columns tap * C + cb * BK."""
+def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0, bt):
+    """A (M, K) and B (K, N) of batch ``bt`` as the wgmma producer loads them for an im2col A:
+    per tile of BM rows its first pixel and tap-0 corner, per K slice (from ``k0``, the split's
+    start) the channel slice and tap its counters walk, A by the im2col map, B's columns tap * C
+    + cb * BK; "im2col16" / "im2col32": the slice's taps side by side, 16 / 32 bytes of channels
+    each, zeros past the last tap, B's columns as they are."""
     c, cbs, s_, pq, q, sh, sw, ph, pw, dh, dw = conv_args
     bk, bm = spec.bk, spec.bm
     a = np.zeros((-(-m // bm) * bm, k))
     b_rows = np.zeros((k, b.shape[1]))
     for tm in range(-(-m // bm)):
-        img, ohw = divmod(tm * bm, pq)
+        img, ohw = divmod(bt * m + tm * bm, pq)
         h0, w0 = (ohw // q) * sh - ph, (ohw % q) * sw - pw
+        if spec.a_gather in ("im2col16", "im2col32"):
+            row = int(spec.a_gather[6:])
+            taps, cw = bk * width // row, row // width
+            for tap in range(k0 // bk * taps, k // bk * taps):
+                fr, fs = divmod(tap, s_) if tap < cbs else (0, 0)
+                a[tm * bm:(tm + 1) * bm, tap * cw:(tap + 1) * cw] = _im2col_box(
+                    a_map, x, width, 0 if tap < cbs else c, w0, h0, img, fs * dw, fr * dh)
+            b_rows[:len(b)] = b
+            continue
         cb = k0 // bk
         tap, cb = divmod(cb, cbs)
         fr, fs = divmod(tap, s_)
@@ -473,10 +503,13 @@ def _emulate_gemm(launch, mem):
         b_map, width = maps[1], 2 if spec.a_dtype != "float32" else 4
         assert b_map.dims[0] <= k and spec.b_major == "k"
         b_mat = _read(mem[launch.pointers[2]], b_map.dims[1::-1], (b_map.strides[0] // width, 1)).T
-        parts = [_im2col_operands(spec, maps[0], mem[launch.pointers[1]], width, b_mat, m, k, conv_args, k0)
-                 for k0 in range(0, k, chunk)]
-        a = np.concatenate([p[0][:, :min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], axis=1)[None]
-        b = np.concatenate([p[1][:min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], axis=0)[None]
+        a, b = [], []
+        for bt in range(batch):
+            parts = [_im2col_operands(spec, maps[0], mem[launch.pointers[1]], width, b_mat, m, k, conv_args, k0, bt)
+                     for k0 in range(0, k, chunk)]
+            a.append(np.concatenate([p[0][:, :min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], 1))
+            b.append(np.concatenate([p[1][:min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], 0))
+        a, b = np.stack(a), np.stack(b)
     elif maps:
         ops = []
         for tmap, mul, rows in zip(maps, bmul, (m, n)):
@@ -551,6 +584,12 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((2, 72, 17, 9), (33, 72, 3, 2), (2, 1), (1, 0), (1, 2), "float16", "sm_90", ("NHWC", "NHWC")),
     ((2, 16, 9, 7), (24, 16, 3, 3), 2, 1, 1, "bfloat16", "sm_90", ("NHWC", "NCHW")),
     ((1, 256, 5, 3), (64, 256, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    # "im2col16" (C within 16 bytes): x relaid with zero channels, or read in place at C = 8;
+    # 2 x 4 taps fill a K slice exactly; NCHW y (a batch over n of P * Q rows); few pixels, long K
+    ((2, 1, 11, 7), (5, 1, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    ((2, 8, 9, 7), (16, 8, 2, 4), (1, 2), (0, 1), (2, 1), "bfloat16", "sm_90", ("NHWC", "NHWC")),
+    ((3, 3, 17, 13), (8, 3, 7, 7), 2, 3, 1, "tf32", "sm_90", ("NCHW", "NCHW")),
+    ((1, 4, 3, 3), (64, 4, 7, 7), 1, 3, 1, "bfloat16", "sm_90", ("NCHW", "NHWC")),
 ]
 
 
@@ -558,6 +597,7 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
 @pytest.mark.parametrize("epilogue", ["plain", "bias_residual_relu"])
 def test_plans_emulated_launch_by_launch_match_the_reference(case, epilogue):
     xs, ws, stride, padding, dilation, dtype, arch, (x_layout, w_layout) = case
+    dtype, precision = ("float32", "tf32") if dtype == "tf32" else (dtype, "exact")
     rng = np.random.default_rng(4)
     x, w = rng.standard_normal(xs), rng.standard_normal(ws)
     mem, ops = {}, {}
@@ -574,11 +614,11 @@ def test_plans_emulated_launch_by_launch_match_the_reference(case, epilogue):
         extra = dict(bias=Operand(dtype, (ws[0],), (1,)), residual=Operand(dtype, y_dims, r_strides),
                      epilogue=(("relu", ""),), params=(0.0, float("inf")))
         want["activation"] = "relu"
+    y_strides = conv.packed_strides(y_dims, x_layout)   # (C = 1 leaves x's own layout ambiguous)
     plan = conv.plan_conv_fprop(ops["x"], ops["w"], stride=stride, padding=padding, dilation=dilation, arch=arch,
-                                **extra)
+                                precision=precision, out_strides=y_strides, **extra)
     mem["y"] = np.full(int(np.prod(y_dims)), np.nan)
     _run_plan(plan, mem)
-    y_strides = conv.packed_strides(y_dims, x_layout)
     got = _read(mem["y"], y_dims, y_strides)
     np.testing.assert_allclose(got, ref.conv2d(x, w, stride=stride, padding=padding, dilation=dilation, **want),
                                atol=1e-10, err_msg=" -> ".join(_uris(plan)))
@@ -589,5 +629,5 @@ def test_a_conv_graph_round_trips_through_a_plan_blob():
     g.relu(g.conv_fprop(x, w, padding=1, stride=(2, 1)), name="y").set_output(True)
     g.build()
     again = nvdnn.Graph.deserialize(g.serialize())
-    assert again.explain() == g.explain() and "launches: im2col/bf16.v1 -> im2col/bf16.v1 -> " in again.explain()
+    assert again.explain() == g.explain() and "launches: im2col/bf16.v8/pad -> im2col/bf16.v8/pad -> " in again.explain()
     assert again.get_workspace_size() == g.get_workspace_size() > 0

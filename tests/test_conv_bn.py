@@ -96,7 +96,9 @@ def _emulate_group(g, t, values):
 def test_fused_graph_plans_emulated_match_float64_conv_bn_relu(case, residual):
     xs, ws, stride, padding, dilation, dtype, arch, layouts = case
     attrs = dict(stride=stride, padding=padding, dilation=dilation)
-    g, t = _bn_graph(xs, ws, dtype=dtype, layouts=layouts, arch=arch, residual=residual, bias=residual, **attrs)
+    dtype, precision = ("float32", "tf32") if dtype == "tf32" else (dtype, "exact")
+    g, t = _bn_graph(xs, ws, dtype=dtype, layouts=layouts, arch=arch, residual=residual, bias=residual,
+                     precision=precision, **attrs)
     g.build()
     assert len(g.groups) == 1, g.explain()
     values = _values(t, np.random.default_rng(5))

@@ -30,6 +30,13 @@ LAYERS = {  # name: (N, C, H, W, K, R, S, stride, padding, dilation)
     "im2col_c24": (3, 24, 13, 11, 40, 3, 3, 1, 1, 1),
     "im2col_s2_images": (5, 64, 7, 9, 64, 3, 3, 2, 1, 1),
     "im2col_split_k": (1, 512, 7, 7, 512, 3, 3, 1, 1, 1),
+    # channels within 16 bytes ("im2col16": a tap a 16-byte column): read in place at C = 8,
+    # relaid with zero channels at C = 1; few pixels with a long K
+    "im2col16_c8": (2, 8, 15, 13, 24, 3, 3, 1, 1, 1),
+    "im2col16_c1": (3, 1, 17, 19, 16, 5, 5, 2, 2, 1),
+    "im2col16_long_k": (1, 4, 3, 3, 64, 7, 7, 1, 3, 1),
+    # stride 2, few channels: space to depth (2 x 2 pixels as 4C channels), even and odd padding
+    "s2d_c4_odd": (3, 4, 17, 15, 24, 5, 3, 2, (2, 1), 1),
 }
 PRECISIONS = (("float16", "exact"), ("bfloat16", "exact"), ("float32", "exact"), ("float32", "tf32"))
 EPILOGUES = ("plain", "bias_relu", "bias_residual_relu")
@@ -127,7 +134,8 @@ def test_conv2d_matches_the_reference(case):
     else:
         poison_pool(dims, case["dtype"])
         y = nvdnn.conv2d(args["x"], args["w"], bias, **kwargs)
-        assert y.shape == dims and (y.strides[1] == y.itemsize) == (case["layout"] == "NHWC" and dims[1] > 1)
+        c = LAYERS[case["layer"]][1]   # (C = 1 leaves x's own layout ambiguous: y comes out NCHW)
+        assert y.shape == dims and (y.strides[1] == y.itemsize) == (case["layout"] == "NHWC" and dims[1] > 1 and c > 1)
     kind = "tf32" if case["precision"] == "tf32" else case["dtype"]
     _compare(y, want, kind, f"{case} [{_plan_uris(case, args, kwargs)}]")
 

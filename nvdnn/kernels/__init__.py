@@ -25,9 +25,12 @@ class Launch(NamedTuple):
     args: tuple
 
 
+SCRATCH_ALIGN = 256   # bytes: where each scratch buffer starts in a workspace
+
+
 class Plan(NamedTuple):
     """The launches of one op, run in order on one stream, and the byte sizes of the scratch
-    buffers they share (each placed 256-byte aligned in the graph's workspace). A launch may
+    buffers they share (each placed SCRATCH_ALIGN-aligned in the graph's workspace). A launch may
     rely on a scratch buffer being zero only if an earlier launch of the plan zeroes it."""
     launches: tuple
     scratch: tuple = ()

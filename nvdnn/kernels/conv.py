@@ -27,8 +27,8 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
-from ..spec import KernelSpec, one_of
-from . import Launch, Plan, repack
+from ..spec import KernelSpec, one_of, optional_field
+from . import SCRATCH_ALIGN, Launch, Plan, repack
 from . import conv_direct, matmul, pointwise
 from .conv_geometry import Conv, fold, geometry, output_layout, packed_strides, pixel_step
 from .pointwise import Operand
@@ -50,6 +50,7 @@ class Im2colSpec(KernelSpec):
     dtype: str
     vec: int                 # elements a thread moves at once (16 bytes at most)
     index: str = "int32"     # the element index's type: "int64" past 2^31 - 1 (with the grid's stride)
+    pad: bool = optional_field(False)   # write whole rows of ld, zeros past R * S * C (relayouts)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -58,7 +59,8 @@ class Im2colSpec(KernelSpec):
 
     @property
     def uri(self) -> str:
-        return f"im2col/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}" + ("/i64" if self.index == "int64" else "")
+        return (f"im2col/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}" + ("/i64" if self.index == "int64" else "")
+                + ("/pad" if self.pad else ""))
 
     @property
     def entry(self) -> str:
@@ -66,7 +68,7 @@ class Im2colSpec(KernelSpec):
 
     def render_context(self) -> dict:
         return {"elem_t": _ELEM[dtypes.BY_NAME[self.dtype].itemsize], "vec": self.vec, "block": BLOCK,
-                "index_t": "int" if self.index == "int32" else "long long"}
+                "index_t": "int" if self.index == "int32" else "long long", "pad": self.pad}
 
 
 def _rows(role: str, strides, cv: Conv, flat: bool) -> tuple[tuple, tuple]:
@@ -84,16 +86,18 @@ def _gemm_view(role: str, op: Operand, cv: Conv, flat: bool, channels: int) -> O
     return Operand(op.dtype, shape + (channels,), strides + (op.strides[1],), op.align)
 
 
-def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str) -> tuple[Launch, int]:
-    """The gather launch of ``cv``'s columns from ``x`` into ``dst`` at row pitch ``ld``, and its bytes."""
+def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str, pad: bool = False) -> tuple[Launch, int]:
+    """The gather launch of ``cv``'s columns from ``x`` into ``dst`` at row pitch ``ld`` (``pad``:
+    zeros past the columns up to ld), and its bytes."""
     width = dtypes.BY_NAME[dtype].itemsize
     vec = 16 // width
     sn, sc, sh, sw = x.strides
-    while vec > 1 and not (sc == 1 and cv.c % vec == 0 and sn % vec == 0 and sh % vec == 0 and sw % vec == 0
+    while vec > 1 and not (ld % vec == 0 if pad else   # pad: vector stores only, rows at ld in scratch
+                           sc == 1 and cv.c % vec == 0 and sn % vec == 0 and sh % vec == 0 and sw % vec == 0
                            and x.align % (vec * width) == 0):
         vec //= 2
     rows = cv.n * cv.p * cv.q
-    total = rows * cv.r * cv.s * cv.c // vec
+    total = rows * (ld if pad else cv.r * cv.s * cv.c) // vec
     for name, size in (("N", cv.n), ("C", cv.c), ("H", cv.h), ("W", cv.w)):
         if size > INT32_MAX:
             raise UnsupportedError(f"{src}: {name} = {size} is more than 2^31 - 1")
@@ -101,7 +105,7 @@ def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str) -> tu
                                     *cv.dilation)), *(np.int64(v) for v in (sn, sc, sh, sw, ld)))
     grid = (max(1, min(-(-total // BLOCK), MAX_BLOCKS)), 1, 1)
     index = "int32" if total + grid[0] * BLOCK <= INT32_MAX else "int64"   # the last grid-stride step fits too
-    return Launch(Im2colSpec(dtype, vec, index), grid, (BLOCK, 1, 1), 0, (dst, src), args), rows * ld * width
+    return Launch(Im2colSpec(dtype, vec, index, pad), grid, (BLOCK, 1, 1), 0, (dst, src), args), rows * ld * width
 
 
 def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, residual: Operand | None = None,
@@ -139,62 +143,124 @@ def plan_conv_fprop(x: Operand, w: Operand, *, bias: Operand | None = None, resi
               and fold(((cv.p, x.strides[2]), (cv.q, x.strides[3]))) is not None)
     ys = [out_strides] + ([residual.strides] if residual is not None else []) + ([x.strides] if direct else [])
     flat = all(fold(((cv.n, s[0]), (cv.p, s[2]), (cv.q, s[3]))) is not None for s in ys)
-    j = cv.r * cv.s * cv.c
-    launches, scratch, names = [], [], {}
-    wk, wc, wr, ws = w.strides
-    b_step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
-    if b_step is not None:  # (r, s, c) walk w by one stride: B is w as it lies
-        b = Operand(w.dtype, (j, cv.k), (b_step, wk), w.align)
-        names["b"] = "w"
-    else:
-        ldw = repack.pitch(j, w.dtype)
-        image = Conv(cv.k, cv.c, cv.r, cv.s, 1, cv.r, cv.s, 1, 1, (1, 1), (0, 0), (1, 1), 1)
-        dst = f"scratch{len(scratch)}"
-        launch, size = _im2col(w.dtype, w, image, ldw, dst, "w")
-        launches.append(launch), scratch.append(size)
-        b = Operand(w.dtype, (j, cv.k), (1, ldw))
-        names["b"] = dst
     y_strides = _rows("y", out_strides, cv, flat)[1] + (out_strides[1],)
     res = _gemm_view("residual", residual, cv, flat, cv.k) if residual is not None else None
     gemm_args = dict(bias=bias, bias_axis="col", residual=res, epilogue=epilogue, params=params, out_dtype=out_dtype,
                      out_strides=y_strides, out_align=out_align, precision=precision, arch=arch, tile=tile, norm=norm)
-    gemm = None if direct or not flat else _implicit(x, b, cv, gemm_args)
-    if gemm is not None:
-        names["a"] = "x"
-    elif direct:
-        gemm = matmul.plan_matmul(_gemm_view("x", x, cv, flat, cv.c), b, **gemm_args)
+    implicit = None if direct else _implicit(x, w, cv, flat, gemm_args)
+    if implicit is not None:
+        return implicit
+    j = cv.r * cv.s * cv.c
+    launches, scratch, names = [], [], {}
+    b = _weights(w, cv, cv.c, launches, scratch, names)
+    if direct:
+        a = _gemm_view("x", x, cv, flat, cv.c)
         names["a"] = "x"
     else:
         ld = repack.pitch(j, x.dtype)
-        dst = f"scratch{len(scratch)}"
-        launch, size = _im2col(x.dtype, x, cv, ld, dst, "x")
-        launches.append(launch), scratch.append(size)
+        names["a"] = _gather(x, cv, ld, launches, scratch)
         rows = cv.n * cv.p * cv.q
         a = (Operand(x.dtype, (rows, j), (ld, 1)) if flat
              else Operand(x.dtype, (cv.n, cv.p * cv.q, j), (cv.p * cv.q * ld, ld, 1)))
-        names["a"] = dst
-        gemm = matmul.plan_matmul(a, b, **gemm_args)
+    return _after(launches, scratch, names, matmul.plan_matmul(a, b, **gemm_args))
+
+
+def _gather(x: Operand, cv: Conv, ld: int, launches: list, scratch: list, pad: bool = False) -> str:
+    """Appends the im2col launch of ``cv`` from x into a new scratch at row pitch ``ld``; its name."""
+    dst = f"scratch{len(scratch)}"
+    launch, size = _im2col(x.dtype, x, cv, ld, dst, "x", pad)
+    launches.append(launch), scratch.append(size)
+    return dst
+
+
+def _weights(w: Operand, cv: Conv, pitch: int, launches: list, scratch: list, names: dict,
+             taps: Conv | None = None) -> Operand:
+    """B, (R*S*pitch, K): w as it lies where its (r, s, c) fold into one stride and pitch is C,
+    else reordered into scratch -- each tap's C channels at ``pitch``, zeros past C. ``taps``: a
+    window over w as a (K, C, R, S) image whose each output pixel is a tap of ``pitch`` columns
+    (space to depth: 2 x 2 of w's taps as one, zeros past the filter)."""
+    wk, wc, wr, ws = w.strides
+    b_step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
+    j = (taps.p * taps.q if taps else cv.r * cv.s) * pitch
+    if taps:
+        dst = f"scratch{len(scratch)}"
+        launch, size = _im2col(w.dtype, w, taps, pitch, dst, "w", pad=True)
+        launches.append(launch), scratch.append(size)
+        names["b"] = dst
+        return Operand(w.dtype, (j, cv.k), (1, j))
+    if b_step is not None and pitch == cv.c:
+        names["b"] = "w"
+        return Operand(w.dtype, (j, cv.k), (b_step, wk), w.align)
+    dst = f"scratch{len(scratch)}"
+    if pitch == cv.c:   # w as a (K, C, R, S) image, one output pixel: rows k of (r, s, c)
+        ld = repack.pitch(j, w.dtype)
+        launch, size = _im2col(w.dtype, w, Conv(cv.k, cv.c, cv.r, cv.s, 1, cv.r, cv.s, 1, 1, (1, 1), (0, 0),
+                                                (1, 1), 1), ld, dst, "w")
+    else:               # a 1x1 window over that image: rows (k, r, s) of ``pitch`` channels
+        ld = j
+        launch, size = _im2col(w.dtype, w, _pixels(cv.k, cv.c, cv.r, cv.s), pitch, dst, "w", pad=True)
+    launches.append(launch), scratch.append(size)
+    names["b"] = dst
+    return Operand(w.dtype, (j, cv.k), (1, ld))
+
+
+def _pixels(n: int, c: int, h: int, w: int) -> Conv:
+    """A 1x1, stride-1 window over an (n, c, h, w) image: the im2col kernel's walk of its pixels."""
+    return Conv(n, c, h, w, 1, 1, 1, h, w, (1, 1), (0, 0), (1, 1), 1)
+
+
+def _after(launches: list, scratch: list, names: dict, gemm: Plan) -> Plan:
+    """One plan: ``launches`` (into ``scratch``), then the GEMM reading them (``names``: its
+    pointers' new names), its own scratch after theirs."""
     names.update({f"scratch{i}": f"scratch{i + len(scratch)}" for i in range(len(gemm.scratch))})
     gemm_launches = tuple(l._replace(pointers=tuple(names.get(p, p) for p in l.pointers)) for l in gemm.launches)
     return Plan(tuple(launches) + gemm_launches, scratch=tuple(scratch) + gemm.scratch)
 
 
-def _implicit(x: Operand, b: Operand, cv: Conv, gemm_args: dict) -> Plan | None:
-    """The GEMM reading A in place (TMA im2col of an NHWC x: implicit GEMM, no gather pass), or
-    None where it cannot: x's layout or geometry past what an im2col tensor map takes, or no
-    wgmma kernel for the request (not Hopper; exact float32)."""
-    if x.strides[1] != 1:
+def _implicit(x: Operand, w: Operand, cv: Conv, flat: bool, gemm_args: dict) -> Plan | None:
+    """The GEMM reading A in place by TMA's im2col mode (an implicit GEMM, no gather), or None
+    where no wgmma kernel serves the request (not Hopper; exact float32) or x's geometry is past
+    an im2col tensor map's. An x the map cannot read as it lies (NCHW, pixels off 16-byte
+    strides, C under 16 bytes) is first relaid into packed NHWC scratch with C padded to 16
+    bytes by zeros (one pass over x, not the gather's R * S; w's taps padded to match). A
+    stride-2 conv of few channels (the RGB stem) is relaid space to depth instead: 2 x 2 pixels
+    as one of 4C channels, a stride-1 conv of ceil(R / 2) x ceil(S / 2) taps of 32 bytes (a
+    7 x 7 stem: 16 taps of 12 channels, K 256, against 49 of 3 padded to 8, K 448)."""
+    size = dtypes.BY_NAME[x.dtype].itemsize
+    launches, scratch, names = [], [], {}
+    if cv.stride == (2, 2) and cv.dilation == (1, 1) and 4 * cv.c * size <= 32:
+        odd = (cv.padding[0] % 2, cv.padding[1] % 2)   # x''[h2, dh] = x[2 h2 + dh - odd]
+        h2, w2, r2, s2 = -(-(cv.h + odd[0]) // 2), -(-(cv.w + odd[1]) // 2), -(-cv.r // 2), -(-cv.s // 2)
+        pitch = (16 if 4 * cv.c * size <= 16 else 32) // size
+        folded = Conv(cv.n, cv.c, cv.h, cv.w, 1, 2, 2, h2, w2, (2, 2), odd, (1, 1), 1)
+        names["a"] = _gather(x, folded, pitch, launches, scratch, pad=True)
+        gather = matmul.Im2colA(x.dtype, (cv.n, pitch, h2, w2), (cv.p, cv.q), (r2, s2), (1, 1),
+                                (cv.padding[0] // 2, cv.padding[1] // 2), (1, 1), (h2 * w2 * pitch, w2 * pitch, pitch))
+        b = _weights(w, cv, pitch, launches, scratch, names, Conv(cv.k, cv.c, cv.r, cv.s, 1, 2, 2, r2, s2, (2, 2),
+                                                                   (0, 0), (1, 1), 1))
+    else:
+        width16 = 16 // size
+        in_place = (x.strides[1] == 1 and cv.c >= width16 and x.align % 16 == 0
+                    and all(st % width16 == 0 for st in (x.strides[0], *x.strides[2:])))
+        pitch = cv.c if in_place else -(-cv.c // width16) * width16
+        strides = (x.strides[0], x.strides[2], x.strides[3]) if in_place else (cv.h * cv.w * pitch, cv.w * pitch,
+                                                                                pitch)
+        gather = matmul.Im2colA(x.dtype, (cv.n, pitch, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride,
+                                cv.padding, cv.dilation, strides)
+        if not in_place:
+            names["a"] = _gather(x, _pixels(cv.n, cv.c, cv.h, cv.w), pitch, launches, scratch, pad=True)
+        b = _weights(w, cv, pitch, launches, scratch, names)
+    if gather.unsupported(SCRATCH_ALIGN if "a" in names else x.align) is not None:
         return None
-    gather = matmul.Im2colA(x.dtype, (cv.n, cv.c, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride, cv.padding,
-                            cv.dilation, (x.strides[0], x.strides[2], x.strides[3]))
-    if gather.unsupported(x.align) is not None:
-        return None
-    k = gather.k(128 // dtypes.BY_NAME[x.dtype].itemsize)   # the wgmma kernel's BK: one 128-byte row
-    a = Operand(x.dtype, (cv.n * cv.p * cv.q, k), (k, 1))
+    k = gather.k(128 // size)   # the wgmma kernel's BK: one 128-byte row
+    pq = cv.p * cv.q   # A's rows: (n, p, q) as one dim (``flat``), or (p, q) a batch over n
+    a = Operand(x.dtype, (cv.n * pq, k), (k, 1)) if flat else Operand(x.dtype, (cv.n, pq, k), (pq * k, k, 1))
     try:
-        return matmul.plan_matmul(a, b._replace(shape=(k, b.shape[1])), gather=gather, **gemm_args)
+        gemm = matmul.plan_matmul(a, b._replace(shape=(k, b.shape[1])), gather=gather, **gemm_args)
     except UnsupportedError:
         return None
+    names.setdefault("a", "x")
+    return _after(launches, scratch, names, gemm)
 
 
 def candidates(spec) -> list:

@@ -6,9 +6,10 @@ from .specs import DEFAULT_SMS, MatmulSpec, _size
 
 # wgmma tiles the heuristic weighs: (bm, bn, stages, consumer warpgroups) -> throughput of one
 # block relative to 128 x 256 (H200, bf16, the tile sweep of session 7: 128 x 128 ran at about
-# 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55)
+# 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55; for 64 columns two warpgroups
+# of 256 or 128 rows ran 1.11x the 64 x 64 tile on ResNet-50's N = 64 convs, H100, session 11)
 WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2): 0.93, (64, 128, 6, 1): 0.8,
-                   (64, 64, 6, 1): 0.55}
+                   (256, 64, 5, 2): 0.61, (128, 64, 6, 2): 0.6, (64, 64, 6, 1): 0.55}
 
 
 def _wgmma_tile(geo, sms: int) -> tuple:

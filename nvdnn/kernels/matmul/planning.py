@@ -241,7 +241,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     if gather is not None:
         if spec.kernel != "wgmma" or spec.promote or not _wgmma_direct(b.dtype, b_major, b_sn, b_sk, b.align, 0):
             raise UnsupportedError(f"an implicit im2col A needs the wgmma kernel reading B in place, not {spec.uri}")
-        spec = dataclasses.replace(spec, a_gather="im2col")
+        spec = dataclasses.replace(spec, a_gather=gather.mode)
     repacks, scratch = [], []
     if spec.kernel == "wgmma":
         repacks, scratch, (a_sm, a_sk), (b_sk, b_sn), geo = _repacks(

@@ -36,6 +36,9 @@ DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's s
 _CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
           "float8_e4m3": "unsigned char", "float8_e5m2": "unsigned char"}
 # the implicit-GEMM A operand's geometry (tensor_maps.Im2colA.args), after a_bmul / b_bmul
+# "im2col": a K slice is one 128-byte row of a tap's channels; "im2col16" / "im2col32": a
+# pixel's channels (C at most 16 / 32 bytes) are one 16- / 32-byte column, several taps a K slice
+GATHERS = ("", "im2col", "im2col16", "im2col32")
 GATHER_PARAMS = ("conv_c", "conv_cb", "conv_s", "conv_pq", "conv_q", "conv_sh", "conv_sw", "conv_ph", "conv_pw",
                  "conv_dh", "conv_dw")
 _PTX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
@@ -223,7 +226,7 @@ class MatmulSpec(KernelSpec):
     promote: bool = False        # wgmma fp8 / tf32: drain the tensor-core sums into float32 every two K slices
                                  # (False: fast accumulation, the tensor core's reduced precision throughout)
     norm: str = optional_field("")  # NORMS: a folded inference batch norm per column, after the bias
-    a_gather: str = optional_field("")  # wgmma: "im2col": A is a conv's im2col of an NHWC image, read in place
+    a_gather: str = optional_field("")  # wgmma, A a conv's im2col of an NHWC image read in place (GATHERS)
 
     @property
     def template(self) -> str:
@@ -270,7 +273,7 @@ class MatmulSpec(KernelSpec):
         one_of(self.vec, (0,), "vec")
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
-        one_of(self.a_gather, ("", "im2col") if self.a_dtype not in FP8 else ("",), "a_gather")
+        one_of(self.a_gather, GATHERS if self.a_dtype not in FP8 else ("",), "a_gather")
         if self.a_gather and (self.a_major != "k" or self.promote):
             raise ValidationError("a_gather: an im2col A is K-major (channels contiguous), no promoting",
                                   arg="a_gather")
@@ -348,7 +351,7 @@ class MatmulSpec(KernelSpec):
                      + ("p" if self.promote else ""))
         if self.kernel == "mma":
             tile += f"v{self.vec}"
-        return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}" + (".im2col" if self.a_gather else "")
+        return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}" + (f".{self.a_gather}" if self.a_gather else "")
                 + f"x{_short(self.b_dtype)}.{self.b_major}"
                 + (f"/{self.precision}" if self.precision else "") + ("/split" if self.split else "")
                 + ("/splitk" if self.finish else "")

@@ -36,7 +36,8 @@ class TensorMapArg(NamedTuple):
 class Im2colMapArg(NamedTuple):
     """An im2col map over an NHWC image (launch pointer ``pointer``): dims (C, W, H, N), strides
     of W, H, N in bytes, the bounding box of a tap's pixels as (W, H) corner offsets, a box of
-    ``pixels`` output pixels by ``channels`` channels, the conv's stride as the pixel step."""
+    ``pixels`` output pixels by ``channels`` channels, the conv's stride as the pixel step;
+    ``swizzle`` in bytes: 128, 32 (a pixel's 32-byte channel row) or 0 (a 16-byte column as it lies)."""
     pointer: int
     dtype: str
     dims: tuple
@@ -46,17 +47,19 @@ class Im2colMapArg(NamedTuple):
     channels: int
     pixels: int
     steps: tuple
+    swizzle: int = 128
 
     def resolve(self, address: int):
         return _kept(address, self, lambda driver, kind: driver.cuTensorMapEncodeIm2col(
             kind, 4, address, [driver.cuuint64_t(d) for d in self.dims],
             [driver.cuuint64_t(s) for s in self.strides], list(self.lower), list(self.upper), self.channels,
-            self.pixels, [driver.cuuint32_t(s) for s in self.steps], *_modes(driver)))
+            self.pixels, [driver.cuuint32_t(s) for s in self.steps], *_modes(driver, self.swizzle)))
 
 
-def _modes(driver) -> tuple:
+def _modes(driver, swizzle: int = 128) -> tuple:
     return (driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B" if swizzle else
+                    "CU_TENSOR_MAP_SWIZZLE_NONE"),
             driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
@@ -88,7 +91,11 @@ class Im2colA(NamedTuple):
     tap and channel, of x (N, C, H, W) with channels contiguous (NHWC), element strides (sn, sh,
     sw). K runs over whole channel slices a tap (``k(bk)``: R * S * ceil(C / bk) * bk); channels
     past C read as zeros, so B's columns of a tap may run into the next tap's (times zero), and
-    B's tensor map stops at its own R * S * C (``b_k``)."""
+    B's tensor map stops at its own R * S * C (``b_k``).
+    ``mode`` "im2col16" / "im2col32" where a pixel's C channels fit in 16 / 32 bytes (the RGB
+    stem): each tap is one column of ``tap_channels`` channels of that width, zeros past C, so B
+    is (R * S * tap_channels) rows, a tap's channels padded with zero rows (conv.py lays it out),
+    and K rounds R * S * tap_channels up to bk (the taps past R * S read as zeros)."""
     dtype: str
     dims: tuple          # (N, C, H, W)
     out: tuple           # (P, Q)
@@ -98,13 +105,29 @@ class Im2colA(NamedTuple):
     dilation: tuple
     strides: tuple       # x's (sn, sh, sw) in elements
 
+    @property
+    def tap_bytes(self) -> int:
+        """A tap's channel column in shared memory: 16 or 32 bytes, else 0 (128-byte slices)."""
+        size = self.dims[1] * dtypes.BY_NAME[self.dtype].itemsize
+        return 16 if size <= 16 else 32 if size <= 32 else 0
+
+    @property
+    def mode(self) -> str:
+        return f"im2col{self.tap_bytes}" if self.tap_bytes else "im2col"
+
+    @property
+    def tap_channels(self) -> int:
+        return self.tap_bytes // dtypes.BY_NAME[self.dtype].itemsize
+
     def k(self, bk: int) -> int:
         r, s = self.taps
+        if self.tap_bytes:
+            return -(-self.b_k // bk) * bk
         return r * s * -(-self.dims[1] // bk) * bk
 
     @property
     def b_k(self) -> int:
-        return self.taps[0] * self.taps[1] * self.dims[1]
+        return self.taps[0] * self.taps[1] * (self.tap_channels if self.tap_bytes else self.dims[1])
 
     def unsupported(self, align: int) -> str | None:
         """Why an im2col tensor map cannot read x, or None."""
@@ -128,12 +151,15 @@ class Im2colA(NamedTuple):
         width = dtypes.BY_NAME[self.dtype].itemsize
         sn, sh, sw = self.strides
         up_h, up_w = self._upper()
+        narrow = self.tap_bytes
         return Im2colMapArg(pointer, self.dtype, (c, w, h, n), (sw * width, sh * width, sn * width),
-                            (-self.padding[1], -self.padding[0]), (up_w, up_h), bk, bm,
-                            (1, self.stride[1], self.stride[0], 1))
+                            (-self.padding[1], -self.padding[0]), (up_w, up_h), self.tap_channels if narrow else bk,
+                            bm, (1, self.stride[1], self.stride[0], 1), {0: 128, 16: 0, 32: 32}[narrow])
 
     def args(self, bk: int) -> tuple:
-        """The kernel's conv_* arguments (specs.GATHER_PARAMS' order)."""
+        """The kernel's conv_* arguments (specs.GATHER_PARAMS' order); "im2col16" / "im2col32":
+        conv_c is a tap's columns of B (tap_channels), conv_cb the taps (R * S)."""
         p, q = self.out
-        return tuple(np.int32(v) for v in (self.dims[1], -(-self.dims[1] // bk), self.taps[1], p * q, q,
-                                           *self.stride, *self.padding, *self.dilation))
+        r, s = self.taps
+        c, cb = ((self.tap_channels, r * s) if self.tap_bytes else (self.dims[1], -(-self.dims[1] // bk)))
+        return tuple(np.int32(v) for v in (c, cb, s, p * q, q, *self.stride, *self.padding, *self.dilation))
