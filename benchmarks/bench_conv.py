@@ -1,13 +1,14 @@
 """Convolution forward over real-model layers (issue 16's benchmark), nvdnn vs PyTorch (cuDNN) in one
 process on the same inputs.
 
-    python benchmarks/bench_conv.py [--set resnet50,unet,depthwise,layouts] [--batch 32] [--json FILE]
+    python benchmarks/bench_conv.py [--set resnet50,unet,depthwise,layouts,backward] [--batch 32] [--json FILE]
     python benchmarks/bench_conv.py --list                   # no GPU: the rows
 
 Sets: every distinct conv layer of ResNet-50 (nvdnn.models' preset table, NHWC fp16, batch 32 by
 default), a U-Net / diffusion set (3x3, 64-1280 channels, 8-128 spatial), a depthwise set
 (MobileNet / ConvNeXt, groups = C: nvdnn's direct kernel, kernels/conv_direct.py), and a few
-layers in NCHW, bf16 and float32 (tf32). Each layer is timed twice: "conv" (conv alone, against
+layers in NCHW, bf16 and float32 (tf32), and ResNet-50's dgrad and wgrad (backward: nvdnn.conv2d_backward
+against aten.convolution_backward, one gradient a row). Each forward layer is timed twice: "conv" (conv alone, against
 F.conv2d) and "cbr" (conv + bias + ReLU, nvdnn's one fused plan against PyTorch eager's
 F.conv2d(x, w, b) then relu). Per row (benchmarks/sweep.py): a check against PyTorch with
 nvdnn's output NaN-poisoned first, call time (wall clock of back-to-back calls) and kernel time
@@ -109,6 +110,34 @@ def case(group: str, layer, dtype: str = F16, layout: str = "NHWC", fused: bool 
                 tol=TF32_TOL if dtype == F32 else 0.0)
 
 
+def _nv_grad(nvdnn, which, dy, x, w, stride, padding, out=None):
+    grads = nvdnn.conv2d_backward(dy, x, w, stride, padding, needs=(which,),
+                                  **({f"out_{which}": out} if out is not None else {}))
+    return grads[("dx", "dw").index(which)]
+
+
+def _pt_grad(torch, which, dy, x, w, stride, padding):
+    grads = torch.ops.aten.convolution_backward(dy, x, w, None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0],
+                                                1, [which == "dx", which == "dw", False])
+    return grads[("dx", "dw").index(which)]
+
+
+def grad_case(layer, which: str) -> Case:
+    """dgrad (dx) or wgrad (dw) of a layer, fp16 NHWC: conv2d_backward against aten's convolution_backward."""
+    n, c, h, w, k, r, s, stride, padding, _ = layer
+    p, q = _out_size(h, r, stride, padding), _out_size(w, s, stride, padding)
+    inputs = (Arr((n, k, p, q), F16, "NHWC", -1.0, 1.0), Arr((n, c, h, w), F16, "NHWC", -1.0, 1.0),
+              Arr((k, c, r, s), F16, "NHWC", -1.0, 1.0))
+    out_bytes = (n * c * h * w if which == "dx" else k * c * r * s) * ITEMSIZE[F16]
+    name = f"{which} {c}->{k} {h}x{w} {r}x{s}/{stride} NHWC f16"
+    FLOPS[name] = flops(layer)
+    return Case(f"backward:{which}", name, inputs,
+                lambda nvdnn, dy, x, wt: partial(_nv_grad, nvdnn, which, dy, x, wt, stride, padding),
+                lambda torch, dy, x, wt: partial(_pt_grad, torch, which, dy, x, wt, stride, padding),
+                sum(a.nbytes for a in inputs) - (inputs[1].nbytes if which == "dx" else inputs[2].nbytes) + out_bytes,
+                torch_call="aten.convolution_backward")
+
+
 SETS = {
     "resnet50": lambda b: [case("resnet50", l, fused=f) for l in resnet50_layers(b) for f in (True, False)],
     "unet": lambda b: [case("unet", l, fused=f) for l in unet_layers(b) for f in (True, False)],
@@ -116,6 +145,7 @@ SETS = {
     "layouts": lambda b: [case("layouts", l, dt, lay, f) for l in layout_layers(b)
                           for dt, lay in ((F16, "NCHW"), (BF, "NHWC"), (F32, "NHWC"), (F32, "NCHW"))
                           for f in (True, False)],
+    "backward": lambda b: [grad_case(l, which) for l in resnet50_layers(b) for which in ("dx", "dw")],
 }
 
 

@@ -132,7 +132,7 @@ def summary(g) -> list[str]:
     launches = len(g.groups) + sum(line.count(" -> ") for line in text if line.strip().startswith("launches:"))
     chains = Counter(" -> ".join(n.op for n in group.nodes) for group in g.groups)
     lines = [f"{g.name} ({g.arch or 'device'}): {len(g.nodes)} ops in {len(g.groups)} kernel groups, "
-             f"{launches} launches (an im2col gather precedes a conv GEMM only where TMA im2col cannot read x), "
+             f"{launches} launches (a relayout precedes a conv GEMM only where TMA im2col cannot read x as it lies), "
              f"workspace {g.get_workspace_size() / 2 ** 20:.1f} MiB"]
     return lines + [f"  {count:3d} x {chain}" for chain, count in chains.most_common()]
 

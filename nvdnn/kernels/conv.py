@@ -4,13 +4,15 @@ family's fused epilogue (bias per output channel = per column, activation, resid
 - 1x1, stride 1, no padding: A is x itself (rows (n, h, w), columns c) -- a strided Operand
   view, no copy; NHWC gives a K-major A, NCHW an M-major one (wgmma reads both for 16-bit types,
   plan_matmul repacks where its kernels cannot).
-- every other case on Hopper with x NHWC (pixels at 16-byte strides) and rows folding into one
-  stride: an implicit GEMM, the wgmma kernel reading A from x by TMA's im2col mode
-  (matmul.Im2colA: K walks each tap's channels in slices of one 128-byte row, zeros past C and
-  in the padding). No gather, no scratch.
-- else: an im2col pass (templates/conv/im2col.cu.j2) gathers A into plan scratch, K-major,
-  columns (r, s, c), rows at a 16-byte pitch, zero where a tap falls in the padding; the GEMM
-  reads it. One plan: gather, then GEMM.
+- every other case on Hopper: an implicit GEMM, the wgmma kernel reading A from an NHWC x by
+  TMA's im2col mode (matmul.Im2colA: K walks each tap's channels in slices of one 128-byte row,
+  or, for C within 16 / 32 bytes, several taps a slice; zeros past C and in the padding). An x
+  the map cannot read as it lies is relaid once into padded NHWC scratch first (_implicit; a
+  stride-2 layer of few channels space to depth). Rows (n, p, q) are one M, or a batch over n
+  of P * Q rows where y's do not fold (NCHW).
+- else (Ampere, exact float32): an im2col pass (templates/conv/im2col.cu.j2) gathers A into plan
+  scratch, K-major, columns (r, s, c), rows at a 16-byte pitch, zero where a tap falls in the
+  padding; the GEMM reads it. One plan: gather, then GEMM.
 
 B is w read as (R*S*C, K): directly where w's (r, s, c) fold into one stride (KRSC, or any
 1x1 weight), else the same im2col kernel reorders it (w as a (K, C, R, S) image, P = Q = 1)
