@@ -265,7 +265,7 @@ def test_tf32_nhwc_runs_the_implicit_gemm_with_32_channel_slices():
 def test_kcrs_weight_is_reordered_by_the_same_gather():
     x, w = _op("float16", (1, 5, 13, 11), "NCHW"), _op("float16", (7, 5, 3, 3), "NCHW")
     plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_80")
-    assert _uris(plan)[:2] == ["im2col/f16.v1", "im2col/f16.v1"]
+    assert _uris(plan)[:2] == ["im2col/f16.v8/pad", "im2col/f16.v8/pad"]
     assert [l.pointers for l in plan.launches[:2]] == [("scratch0", "w"), ("scratch1", "x")]
     pitch = repack.pitch(45, "float16")
     assert plan.scratch[:2] == (7 * pitch * 2, 13 * 11 * pitch * 2)
@@ -284,16 +284,19 @@ def test_gemm_scratch_follows_the_gather_scratch():
 
 
 def test_gather_vectors_need_contiguous_aligned_channels():
-    cases = {("NHWC", 64, 16): 8, ("NHWC", 12, 16): 4, ("NHWC", 5, 16): 1, ("NCHW", 64, 16): 1, ("NHWC", 64, 4): 2}
-    for (layout, c, align), vec in cases.items():
+    """Vector loads and stores where x's channels allow; where they give none, the pad kernel's
+    16-byte stores of columns loaded one by one (the row pitch is the plan's own)."""
+    cases = {("NHWC", 64, 16): (8, False), ("NHWC", 12, 16): (4, False), ("NHWC", 5, 16): (8, True),
+             ("NCHW", 64, 16): (8, True), ("NHWC", 64, 4): (2, False)}
+    for (layout, c, align), want in cases.items():
         x = Operand("float16", (1, c, 8, 8), conv.packed_strides((1, c, 8, 8), layout), align)
         plan = conv.plan_conv_fprop(x, _op("float16", (4, c, 3, 3), "NHWC"), arch="sm_80")   # no im2col maps
-        assert plan.launches[0].spec.vec == vec, (layout, c, align)
+        assert (plan.launches[0].spec.vec, plan.launches[0].spec.pad) == want, (layout, c, align)
 
 
 def test_gather_index_arithmetic_is_32_bit_until_it_cannot_be():
     w = _op("float32", (64, 64, 3, 3), "NCHW")
-    for n, index in ((64, "int32"), (128, "int64")):   # 64 * 224^2 * 576 elements fit 2^31 - 1; twice that not
+    for n, index in ((256, "int32"), (512, "int64")):   # 256 * 224^2 * 576 / 4 vectors fit 2^31 - 1; twice not
         plan = conv.plan_conv_fprop(_op("float32", (n, 64, 224, 224), "NCHW"), w, padding=1, arch="sm_80")
         (gather,) = [launch for launch in plan.launches if launch.pointers[1:] == ("x",)]
         assert gather.spec.index == index
@@ -305,7 +308,7 @@ def test_graph_explain_shows_the_reorder_and_the_implicit_gemm():
     g.build()
     text = g.explain()
     assert "conv[conv_fprop -> relu](x, w, b) -> y" in text
-    assert "launches: im2col/f16.v1 -> matmul/wgmma/f16.k.im2colxf16.k->f16/bias.col.f16/ep=relu/" in text
+    assert "launches: im2col/f16.v8/pad -> matmul/wgmma/f16.k.im2colxf16.k->f16/bias.col.f16/ep=relu/" in text
 
 
 def test_ampere_runs_mma_and_float32_exact_small_runs_simt():

@@ -171,7 +171,7 @@ def test_strided_dgrad_is_a_gemm_into_float32_columns_then_col2im():
     plan = cb.plan_conv_dgrad(dy, w, (32, 64, 56, 56), stride=2, padding=1, arch="sm_90")
     gemm, gather = plan.launches
     assert gemm.spec.out_dtype == "float32" and gemm.pointers == ("scratch0", "dy", "w")
-    assert gather.spec == cb.Col2imSpec("bfloat16", True) and gather.pointers == ("dx", "scratch0")
+    assert gather.spec == cb.Col2imSpec("bfloat16", True, 4) and gather.pointers == ("dx", "scratch0")
     assert plan.scratch == (32 * 28 * 28 * 576 * 4,)
     nchw = cb.plan_conv_dgrad(_op("bfloat16", dy.shape, "NCHW"), _op("bfloat16", w.shape, "NCHW"),
                               (32, 64, 56, 56), stride=2, padding=1, arch="sm_90")
@@ -310,7 +310,7 @@ def test_functional_checks_before_the_device():
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     from tests.presets import warmed_preset
-    specs = [cb.Col2imSpec(dt, c) for dt in conv.DTYPES for c in (False, True)]
+    specs = [cb.Col2imSpec(dt, c, v) for dt in conv.DTYPES for c, v in ((False, 1), (True, 1), (True, 4))]
     specs = list(dict.fromkeys(specs + cb.preset()))
     jobs = [(s, a) for s in specs for a in ("sm_80", "sm_90") if not conv.unsupported_reason(s, a)]
     return warmed_preset(tmp_path_factory.mktemp("convbw-cache"), jobs)
@@ -321,7 +321,7 @@ def test_every_backward_kernel_compiles_and_col2im_does_not_spill(warmed):
     entries = warmed["entries"]
     assert {a for _, a in entries} == {"sm_80", "sm_90", "sm_90a"}
     gathers = {k: e for k, e in entries.items() if k[0].startswith("col2im/")}
-    assert len(gathers) == 6 * 2   # 3 types x 2 orders, on sm_80 and sm_90
+    assert len(gathers) == 9 * 2   # 3 types x 2 orders (C innermost: 1 or 4 channels a thread), sm_80 and sm_90
     assert {k for k, e in gathers.items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
 
 
@@ -332,4 +332,4 @@ def test_resnet50_training_warms_every_convs_dgrad_and_wgrad():
     assert plan.failed == [] and plan.skipped == {}
     assert plan.layers == inference.layers + 52 + 53   # dgrad of every conv but the stem's, wgrad of all 53
     uris = {spec.uri for spec, _ in plan.jobs}
-    assert set(inference.jobs) < set(plan.jobs) and {"col2im/f16.c", "im2col/f16.v1"} <= uris
+    assert set(inference.jobs) < set(plan.jobs) and {"col2im/f16.c.v4", "im2col/f16.v8/pad"} <= uris

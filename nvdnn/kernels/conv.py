@@ -88,16 +88,22 @@ def _gemm_view(role: str, op: Operand, cv: Conv, flat: bool, channels: int) -> O
     return Operand(op.dtype, shape + (channels,), strides + (op.strides[1],), op.align)
 
 
-def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str, pad: bool = False) -> tuple[Launch, int]:
-    """The gather launch of ``cv``'s columns from ``x`` into ``dst`` at row pitch ``ld`` (``pad``:
-    zeros past the columns up to ld), and its bytes."""
+def _im2col(dtype: str, x: Operand, cv: Conv, ld: int, dst: str, src: str, pad: bool = False,
+            own_rows: bool = True) -> tuple[Launch, int]:
+    """The gather launch of ``cv``'s columns from ``x`` into ``dst`` at row pitch ``ld``, and its
+    bytes. ``pad``: zeros past the columns up to ld. Where x's channels give no vectors (NCHW,
+    C = 3) and ``dst``'s rows up to ld are the plan's (``own_rows``), the pad kernel too: 16-byte
+    stores of columns loaded one by one, not one element a thread."""
     width = dtypes.BY_NAME[dtype].itemsize
     vec = 16 // width
     sn, sc, sh, sw = x.strides
-    while vec > 1 and not (ld % vec == 0 if pad else   # pad: vector stores only, rows at ld in scratch
-                           sc == 1 and cv.c % vec == 0 and sn % vec == 0 and sh % vec == 0 and sw % vec == 0
+    while vec > 1 and not (sc == 1 and cv.c % vec == 0 and sn % vec == 0 and sh % vec == 0 and sw % vec == 0
                            and x.align % (vec * width) == 0):
         vec //= 2
+    if pad or (own_rows and vec == 1 and ld % (16 // width) == 0):
+        pad, vec = True, 16 // width
+        while ld % vec:   # vector stores only, rows at ld in scratch
+            vec //= 2
     rows = cv.n * cv.p * cv.q
     total = rows * (ld if pad else cv.r * cv.s * cv.c) // vec
     for name, size in (("N", cv.n), ("C", cv.c), ("H", cv.h), ("W", cv.w)):

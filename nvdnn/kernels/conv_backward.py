@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import DTypeError, UnsupportedError, ValidationError
-from ..spec import KernelSpec, one_of
+from ..spec import KernelSpec, one_of, optional_field
 from . import Launch, Plan, repack
 from . import conv_direct, matmul, reduce
 from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _gemm_view, _im2col, _rows, fold, geometry,
@@ -48,21 +48,25 @@ class Col2imSpec(KernelSpec):
 
     dtype: str               # dx's
     c_inner: bool            # threads walk C innermost (dx channels-last), else W
+    vec: int = optional_field(1)   # channels a thread (4: c_inner, float4 column loads)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.c_inner, (False, True), "c_inner")
+        one_of(self.vec, (1, 4) if self.c_inner else (1,), "vec")
 
     @property
     def uri(self) -> str:
-        return f"col2im/{dtypes.BY_NAME[self.dtype].short}.{'c' if self.c_inner else 'w'}"
+        return f"col2im/{dtypes.BY_NAME[self.dtype].short}.{'c' if self.c_inner else 'w'}" + (
+            f".v{self.vec}" if self.vec > 1 else "")
 
     @property
     def entry(self) -> str:
         return "nvdnn_col2im"
 
     def render_context(self) -> dict:
-        return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "c_inner": self.c_inner, "block": BLOCK}
+        return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "c_inner": self.c_inner, "block": BLOCK,
+                "vec": self.vec}
 
 
 def _types(**ops: Operand) -> str:
@@ -122,11 +126,14 @@ def _col2im(dtype: str, cv: Conv, dx_strides, ld: int, columns: tuple, src: str)
     """The launch gathering dcol (at row pitch ``ld``, tap columns at ``columns`` = (r, s, c)
     strides) into dx."""
     per_image = cv.c * cv.h * cv.w
-    grid = (max(1, min(-(-per_image // BLOCK), MAX_BLOCKS)), min(cv.n, 65535), 1)
+    c_inner = cv.c > 1 and dx_strides[1] == 1
+    vec = 4 if c_inner and cv.c % 4 == 0 and ld % 4 == 0 and columns[2] == 1 and all(
+        st % 4 == 0 for st in columns[:2]) else 1
+    grid = (max(1, min(-(-per_image // (BLOCK * vec)), MAX_BLOCKS)), min(cv.n, 65535), 1)
     if per_image + grid[0] * BLOCK > INT32_MAX:   # the last grid-stride step must fit 32 bits too
         raise UnsupportedError(f"dx: one image of C*H*W = {per_image} elements; dgrad's col2im takes fewer than "
                                f"2^31 - {grid[0] * BLOCK}")
-    spec = Col2imSpec(dtype, cv.c > 1 and dx_strides[1] == 1)
+    spec = Col2imSpec(dtype, c_inner, vec)
     args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, cv.p, cv.q, cv.r, cv.s, *cv.padding, *cv.stride,
                                     *cv.dilation)), *(np.int64(v) for v in (*dx_strides, ld, *columns)))
     return Launch(spec, grid, (BLOCK, 1, 1), 0, ("dx", src), args)
@@ -249,7 +256,7 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     # whose (r', s', c') = (c, r, s) columns land in KCRS order
     image = Conv(cv.k, cv.s, cv.c, cv.r, 1, cv.c, cv.r, 1, 1, (1, 1), (0, 0), (1, 1), 1)
     view = Operand(out_dtype, (cv.k, cv.s, cv.c, cv.r), (ldw, cv.c, 1, cv.s * cv.c))
-    launches.append(_im2col(out_dtype, view, image, wk, "dw", tmp)[0])
+    launches.append(_im2col(out_dtype, view, image, wk, "dw", tmp, own_rows=False)[0])
     return Plan(tuple(launches), tuple(scratch))
 
 
