@@ -489,6 +489,23 @@ def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0, bt):
     return a[:m, k0:], b_rows[k0:]
 
 
+def _im2col_b(spec, b_map, x, width, n, k, conv_args):
+    """B (K, N) of a b_gather GEMM as its producer loads it: per K slice of BK output pixels,
+    each 64-column chunk one im2col box of one tap's channels."""
+    c, _, s_, pq, q, sh, sw, ph, pw, dh, dw = conv_args
+    bk, chunk = spec.bk, 128 // width
+    assert c % chunk == 0 and (b_map.pixels, b_map.channels) == (bk, chunk)
+    b = np.zeros((-(-k // bk) * bk, -(-n // chunk) * chunk))
+    for k0 in range(0, k, bk):
+        img, ohw = divmod(k0, pq)
+        h0, w0 = (ohw // q) * sh - ph, (ohw % q) * sw - pw
+        for col in range(0, n, chunk):
+            tap, c0 = divmod(col, c)
+            fr, fs = divmod(tap, s_)
+            b[k0:k0 + bk, col:col + chunk] = _im2col_box(b_map, x, width, c0, w0, h0, img, fs * dw, fr * dh)
+    return b[:k, :n]
+
+
 def _emulate_gemm(launch, mem):
     spec, args = launch.spec, list(launch.args)
     assert not spec.split and not spec.amax and not spec.scaled   # a split-K finish sums the same products
@@ -498,7 +515,8 @@ def _emulate_gemm(launch, mem):
     args = args[10:]
     if maps:
         bmul = [int(args.pop(0)), int(args.pop(0))]
-        conv_args = [int(args.pop(0)) for _ in range(11)] if spec.a_gather else None
+        conv_args = [int(args.pop(0)) for _ in range(11)] if spec.a_gather or spec.b_gather else None
+        rows_args = [int(args.pop(0)) for _ in range(6)] if spec.c_rows else None
         chunk = int(args.pop(0)) if spec.finish else k
         if spec.finish:
             assert 0 < chunk < k and launch.pointers[-1].startswith("scratch")   # the K chunk
@@ -518,6 +536,9 @@ def _emulate_gemm(launch, mem):
         for tmap, mul, rows in zip(maps, bmul, (m, n)):
             buffer = mem[launch.pointers[tmap.pointer]]
             width = 2 if spec.a_dtype != "float32" else 4
+            if tmap.pointer == 2 and spec.b_gather:
+                ops.append(_im2col_b(spec, tmap, buffer, width, n, k, conv_args).T[None])
+                continue
             d0, d1, d2 = tmap.dims
             s1, s2 = (s // width for s in tmap.strides)
             if (spec.a_major if tmap.pointer == 1 else spec.b_major) == "k":   # (K, rows, batch)
@@ -552,6 +573,10 @@ def _emulate_gemm(launch, mem):
     y = ref.chain(y, spec.epilogue, scalars)
     out = mem[launch.pointers[0]]
     bi, mi, ni = np.indices((batch, m, n))
+    if spec.c_rows:   # row m is image pixel (m / pq, m % pq / q, m % q) through three strides, from y_off
+        pq, q, si, sh, sw, off = rows_args
+        out[off + (mi // pq) * si + (mi % pq // q) * sh + (mi % q) * sw + ni * c_sn + bi * c_sb] = y
+        return
     out[bi * c_sb + mi * c_sm + ni * c_sn] = y
 
 

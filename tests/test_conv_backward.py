@@ -83,6 +83,13 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((2, 8, 5, 5), (16, 8, 1, 1), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),    # padded 1x1: col2im
     ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),   # K = 7: wgrad's skinny GEMM
     ((3, 5, 13, 11), (7, 5, 3, 3), 1, 1, 1, "bfloat16", "sm_80", ("NCHW", "NCHW")),
+    # stride 2 on Hopper over an NHWC dy: dgrad in four phases, each writing its pixels of dx --
+    # odd sizes, no padding (a phase's negative padding), R != S, a 7 x 7 (the stem's taps)
+    ((2, 64, 13, 11), (64, 64, 3, 3), 2, 1, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    ((2, 64, 12, 9), (72, 64, 3, 2), 2, (0, 1), 1, "bfloat16", "sm_90", ("NHWC", "NCHW")),
+    ((1, 64, 15, 15), (64, 64, 7, 7), 2, 3, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    # wgrad reading im2col(x) in place (C % 64 == 0): dilated, 128 channels (two chunks a tap), K = 72
+    ((2, 128, 9, 7), (72, 128, 3, 3), 1, 2, 2, "bfloat16", "sm_90", ("NHWC", "NHWC")),
 ]
 
 
@@ -166,18 +173,21 @@ def test_1x1_stride_1_is_the_gemm_alone_both_ways():
     assert wgrad.launches[0].spec.a_major == "m"    # dy^T: dy's channels are contiguous, its rows its M
 
 
-def test_strided_dgrad_is_a_gemm_into_float32_columns_then_col2im():
+def test_strided_dgrad_runs_four_phases_over_nhwc_and_col2im_over_nchw():
     dy, w = _op("bfloat16", (32, 128, 28, 28), "NHWC"), _op("bfloat16", (128, 64, 3, 3), "NHWC")
     plan = cb.plan_conv_dgrad(dy, w, (32, 64, 56, 56), stride=2, padding=1, arch="sm_90")
-    gemm, gather = plan.launches
-    assert gemm.spec.out_dtype == "float32" and gemm.pointers == ("scratch0", "dy", "w")
-    assert gather.spec == cb.Col2imSpec("bfloat16", True, 4) and gather.pointers == ("dx", "scratch0")
-    assert plan.scratch == (32 * 28 * 28 * 576 * 4,)
+    filters, gemms = plan.launches[0::2], plan.launches[1::2]
+    assert len(plan.launches) == 8 and {l.spec.family for l in filters} == {"im2col"}
+    assert all("/rows->" in g.spec.uri and g.pointers[:3] == ("dx", "dy", f.pointers[0])
+               for f, g in zip(filters, gemms))
+    # phase (a, b) of dx: 2 x 2, 2 x 1, 1 x 2 and 1 x 1 taps of w (pad 1 makes even rows read odd taps)
+    assert [int(g.args[4]) for g in gemms] == [128 * t for t in (1, 2, 2, 4)]   # GEMM K = taps * K
     nchw = cb.plan_conv_dgrad(_op("bfloat16", dy.shape, "NCHW"), _op("bfloat16", w.shape, "NCHW"),
                               (32, 64, 56, 56), stride=2, padding=1, arch="sm_90")
     assert _uris(nchw) == ["matmul/wgmma/bf16.mxbf16.n->f32/" + nchw.launches[0].spec.uri.split("/")[-1],
                            "col2im/bf16.w"]   # KCRS read as it lies: dcol's columns (c, r, s)
     assert tuple(int(v) for v in nchw.launches[1].args[-3:]) == (3, 1, 9)
+    assert nchw.scratch == (32 * 28 * 28 * 576 * 4,)
 
 
 def test_wgrad_splits_the_long_reduction_and_reorders_a_kcrs_dw():
@@ -190,8 +200,12 @@ def test_wgrad_splits_the_long_reduction_and_reorders_a_kcrs_dw():
     assert plan.launches[-1].pointers == ("dw", "scratch2")
     nhwc = cb.plan_conv_wgrad(_op("float16", dy.shape, "NHWC"), _op("float16", x.shape, "NHWC"), (64, 64, 3, 3),
                               padding=1, arch="sm_90")
-    assert [l.spec.family for l in nhwc.launches] == ["im2col", "matmul"] and nhwc.launches[1].pointers[:3] == (
-        "dw", "dy", "scratch0")
+    (gemm,) = nhwc.launches   # Hopper, C % 64 == 0: im2col(x) read in place by the GEMM's B loads
+    assert gemm.spec.b_gather and gemm.pointers[:3] == ("dw", "dy", "x") and ".n.im2col/" in gemm.spec.uri
+    ampere = cb.plan_conv_wgrad(_op("float16", dy.shape, "NHWC"), _op("float16", x.shape, "NHWC"), (64, 64, 3, 3),
+                                padding=1, arch="sm_80")
+    assert [l.spec.family for l in ampere.launches][:2] == ["im2col", "matmul"] and ampere.launches[1].pointers[1:3] == (
+        "dy", "scratch0")
 
 
 def test_dbias_is_the_reduce_familys_sum_over_n_p_q():
@@ -323,6 +337,25 @@ def test_every_backward_kernel_compiles_and_col2im_does_not_spill(warmed):
     gathers = {k: e for k, e in entries.items() if k[0].startswith("col2im/")}
     assert len(gathers) == 9 * 2   # 3 types x 2 orders (C innermost: 1 or 4 channels a thread), sm_80 and sm_90
     assert {k for k, e in gathers.items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
+
+
+def test_implicit_wgrad_and_dgrad_phase_gemms_use_hgmma_without_spills(warmed, tmp_path):
+    import subprocess
+    from tests.test_compile import _cuobjdump
+    entries = warmed["entries"]
+    gemms = {k: e for k, e in entries.items() if ".n.im2col" in k[0] or "/rows" in k[0]}
+    assert {k[0].split("/")[2].split("x")[1] for k in gemms} >= {"f16.n.im2col", "bf16.n.im2col", "f16.k", "bf16.k"}
+    assert any("/rows" in uri for uri, _ in gemms) and {a for _, a in gemms} == {"sm_90a"}
+    assert {k for k, e in gemms.items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    for kind in (".n.im2col", "/rows"):
+        e = next(e for (uri, _), e in sorted(gemms.items()) if kind in uri)
+        path = tmp_path / f"{e.key}.cubin"
+        path.write_bytes(e.cubin)
+        text = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+        assert "HGMMA" in text and "UTMALDG" in text and " STL" not in text, e.uri
 
 
 def test_resnet50_training_warms_every_convs_dgrad_and_wgrad():

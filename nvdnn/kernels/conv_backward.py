@@ -8,8 +8,10 @@
   its strides. w is read as it lies when its (r, s, c) or (c, r, s) dims fold into one stride
   (KRSC, KCRS), so no weight reorder; dcol's columns follow w's order. A 1x1, stride-1,
   unpadded conv is the GEMM alone: dx (N*H*W, C) = dy (N*P*Q, K) @ w (K, C).
-- wgrad, dw (K, R*S*C) = dy^T (K, N*P*Q) @ im2col(x) (N*P*Q, R*S*C): the forward's gather
-  (none for a 1x1 stride-1 unpadded conv over x whose pixels fold into one stride), dy read in
+- wgrad, dw (K, R*S*C) = dy^T (K, N*P*Q) @ im2col(x) (N*P*Q, R*S*C): on Hopper, for a 16-bit
+  channels-last x with C % 64 == 0, im2col(x) is read in place by the GEMM's B loads (TMA's
+  im2col mode, matmul's b_gather); elsewhere the forward's gather writes it (none for a 1x1
+  stride-1 unpadded conv over x whose pixels fold into one stride). dy is read in
   place as the transposed operand (an NCHW dy, whose (n, p, q) do not fold, is first repacked
   to pixel rows). The reduction over N*P*Q is long: plan_matmul's split-K takes it. dw is
   written through its strides where its (r, s, c) fold (KRSC); a KCRS dw is written packed to
@@ -159,6 +161,55 @@ def _dgrad_as_fprop(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: st
     return Plan(tuple(launches), tuple(scratch))
 
 
+def _dgrad_phases(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: str, gemm: dict) -> Plan | None:
+    """Stride 2, undilated, at least 2 x 2 taps: dx in its four phases (h % 2, w % 2) = (a, b),
+    each the forward conv of dy with the taps of w that reach it (r = r0, r0 + 2, ...: ceil or
+    floor of R / 2 of them, flipped), an implicit GEMM over dy whose epilogue writes its rows
+    (n, h', w') to dx[n, 2 h' + a, 2 w' + b] (matmul out_rows): no float32 columns, no col2im.
+    In one dim, dx row h = 2 h' + a reads dy row p = (h + pad - r) / 2 through taps r = r0 + 2 t,
+    r0 = (a + pad) % 2: as a conv, output h' reads dy row h' - pad' + t' with w's tap
+    r0 + 2 (T - 1 - t'), pad' = T - 1 - (a + pad - r0) / 2 (it may be negative). None where the
+    im2col map cannot read dy or no wgmma kernel serves the request."""
+    if cv.stride != (2, 2) or cv.dilation != (1, 1) or min(cv.r, cv.s) < 2 or dy.strides[1] != 1:
+        return None
+    wk, wc, wr, ws = w.strides
+    image = Operand(w.dtype, (cv.c, cv.k, cv.r, cv.s), (wc, wk, wr, ws), w.align)   # C images of K channels
+    sn, _, sh, sw = dx_strides
+    launches, scratch = [], []
+    for a in (0, 1):
+        for b in (0, 1):
+            out = ((cv.h - a + 1) // 2, (cv.w - b + 1) // 2)
+            if 0 in out:
+                continue
+            first, taps, pads = [], [], []
+            for phase, pad, size in ((a, cv.padding[0], cv.r), (b, cv.padding[1], cv.s)):
+                r0 = (phase + pad) % 2
+                first.append(r0 + 2 * ((size - r0 + 1) // 2 - 1))
+                taps.append((size - r0 + 1) // 2)
+                pads.append(taps[-1] - 1 - (phase + pad - r0) // 2)
+            gather = matmul.Im2colA(dy.dtype, (cv.n, cv.k, cv.p, cv.q), out, tuple(taps), (1, 1), tuple(pads),
+                                    (1, 1), (dy.strides[0], dy.strides[2], dy.strides[3]))
+            if gather.unsupported(dy.align) is not None or gather.mode != "im2col":   # B: taps of K rows
+                return None
+            j = taps[0] * taps[1] * cv.k
+            ld = repack.pitch(j, w.dtype)
+            dst = f"scratch{len(scratch)}"   # the phase's filter as (C, T_r, T_s, K) rows: w read backwards by 2
+            window = Conv(cv.c, cv.k, cv.r, cv.s, 1, taps[0], taps[1], 1, 1, (1, 1), (-first[0], -first[1]),
+                          (-2, -2), 1)
+            launch, size = _im2col(w.dtype, image, window, ld, dst, "w")
+            launches.append(launch), scratch.append(size)
+            k = gather.k(128 // dtypes.BY_NAME[dy.dtype].itemsize)
+            rows = (out[0] * out[1], out[1], sn, 2 * sh, 2 * sw, a * sh + b * sw)
+            try:
+                plan = matmul.plan_matmul(Operand(dy.dtype, (cv.n * out[0] * out[1], k), (k, 1)),
+                                          Operand(w.dtype, (k, cv.c), (1, ld)), out_dtype=out_dtype,
+                                          out_strides=(2 * sw, dx_strides[1]), gather=gather, out_rows=rows, **gemm)
+            except UnsupportedError:
+                return None
+            _gemm(plan, {"y": "dx", "a": "dy", "b": dst}, launches, scratch)
+    return Plan(tuple(launches), tuple(scratch))
+
+
 def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                     out_dtype: str | None = None, out_strides=None, precision: str = "exact",
                     arch: str | None = None) -> Plan:
@@ -188,6 +239,9 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
     if cv.stride == (1, 1) and all(pad <= dil * (tap - 1) for pad, dil, tap in
                                    zip(cv.padding, cv.dilation, (cv.r, cv.s))):
         return _dgrad_as_fprop(dy, w, cv, dx_strides, out_dtype, gemm)
+    phases = _dgrad_phases(dy, w, cv, dx_strides, out_dtype, gemm)
+    if phases is not None:
+        return phases
     j = cv.r * cv.s * cv.c
     rsc = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     crs = fold(((cv.c, wc), (cv.r, wr), (cv.s, ws)))
@@ -212,6 +266,16 @@ def plan_conv_dgrad(dy: Operand, w: Operand, x_shape, *, stride=1, padding=0, di
     return Plan(tuple(launches), tuple(scratch))
 
 
+def _x_columns(x: Operand, cv: Conv) -> matmul.Im2colA | None:
+    """im2col(x) as an implicit-GEMM B (64-channel chunks of one tap: C % 64 == 0, channels-last
+    x, 16-bit), or None where the gather kernel writes the columns."""
+    if x.dtype not in matmul.HALF or cv.c % 64 or x.strides[1] != 1:
+        return None
+    gather = matmul.Im2colA(x.dtype, (cv.n, cv.c, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride, cv.padding,
+                            cv.dilation, (x.strides[0], x.strides[2], x.strides[3]))
+    return gather if gather.unsupported(x.align) is None else None
+
+
 def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                     out_dtype: str | None = None, out_strides=None, precision: str = "exact",
                     arch: str | None = None) -> Plan:
@@ -230,17 +294,30 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     a = Operand(dtype, (cv.k, rows.shape[0]), rows.strides[::-1], rows.align)   # dy^T: a view
     j = cv.r * cv.s * cv.c
     xs = x.strides
-    direct = _one_by_one(cv) and fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None
-    if direct:
-        b, b_role = _pixel_rows("x", x, cv, cv.c, launches, scratch)
-    else:
-        ld = repack.pitch(j, dtype)
-        b_role = f"scratch{len(scratch)}"
-        launch, size = _im2col(dtype, x, cv, ld, b_role, "x")
-        launches.append(launch), scratch.append(size)
-        b = Operand(dtype, (cv.n * cv.p * cv.q, j), (ld, 1))
     gemm = dict(out_dtype=out_dtype, precision=precision, arch=arch)
-    roles = {"a": dy_role, "b": b_role}
+    if _one_by_one(cv) and fold(((cv.n, xs[0]), (cv.h, xs[2]), (cv.w, xs[3]))) is not None:
+        b, b_role = _pixel_rows("x", x, cv, cv.c, launches, scratch)
+        return _wgrad_gemm(a, b, {"a": dy_role, "b": b_role}, gemm, cv, (wk, wc, wr, ws), launches, scratch)
+    implicit = _x_columns(x, cv)
+    if implicit is not None:   # im2col(x) read in place by the GEMM's B loads (Hopper)
+        try:
+            return _wgrad_gemm(a, Operand(dtype, (cv.n * cv.p * cv.q, j), (j, 1)), {"a": dy_role, "b": "x"},
+                               {**gemm, "b_gather": implicit}, cv, (wk, wc, wr, ws), list(launches), list(scratch))
+        except UnsupportedError:
+            pass
+    ld = repack.pitch(j, dtype)
+    b_role = f"scratch{len(scratch)}"
+    launch, size = _im2col(dtype, x, cv, ld, b_role, "x")
+    launches.append(launch), scratch.append(size)
+    return _wgrad_gemm(a, Operand(dtype, (cv.n * cv.p * cv.q, j), (ld, 1)), {"a": dy_role, "b": b_role}, gemm, cv,
+                       (wk, wc, wr, ws), launches, scratch)
+
+
+def _wgrad_gemm(a: Operand, b: Operand, roles: dict, gemm: dict, cv: Conv, dw_strides, launches: list,
+                scratch: list) -> Plan:
+    """dw = a @ b written through ``dw_strides`` where its (r, s, c) fold into one stride, else
+    packed to scratch and reordered to KCRS; after ``launches``."""
+    wk, wc, wr, ws = dw_strides
     step = fold(((cv.r, wr), (cv.s, ws), (cv.c, wc)))
     if step is not None:   # dw's (r, s, c) walk one stride: the GEMM writes it
         _gemm(matmul.plan_matmul(a, b, out_strides=(wk, step), **gemm), {**roles, "y": "dw"}, launches, scratch)
@@ -248,7 +325,8 @@ def plan_conv_wgrad(dy: Operand, x: Operand, w_shape, *, stride=1, padding=0, di
     if (wc, wr, ws) != (cv.r * cv.s, cv.s, 1):
         raise UnsupportedError(f"dw: strides {(wk, wc, wr, ws)}: neither (r, s, c) nor KCRS-packed (c, r, s) "
                                "dims walk one stride; pass a KCRS or KRSC weight gradient")
-    ldw = repack.pitch(j, out_dtype)
+    out_dtype = gemm["out_dtype"]
+    ldw = repack.pitch(b.shape[1], out_dtype)
     tmp = f"scratch{len(scratch)}"
     scratch.append(cv.k * ldw * dtypes.BY_NAME[out_dtype].itemsize)
     _gemm(matmul.plan_matmul(a, b, out_strides=(ldw, 1), **gemm), {**roles, "y": tmp}, launches, scratch)

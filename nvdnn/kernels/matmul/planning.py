@@ -154,7 +154,8 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
                 out_dtype: str | None = None, out_strides=None, out_align: int = 16, precision: str = "exact",
                 amax: bool = False, arch: str | None = None, tile: MatmulSpec | None = None,
                 split_k: int | None = None, sms: int | None = None, norm: Norm | None = None,
-                gather: Im2colA | None = None) -> Plan:
+                gather: Im2colA | None = None, out_rows: tuple | None = None,
+                b_gather: Im2colA | None = None) -> Plan:
     """y = epilogue(alpha [* scale_a * scale_b] * (a @ b) [+ bias] [+ beta * residual]) [* scale_out].
 
     Pointers: "y" (``out_strides``, default packed row-major), "a", "b", then "bias" (1-D: M
@@ -170,7 +171,12 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     heuristic decides); on the wgmma kernel in the same launch (the last split of a tile to
     finish sums them), elsewhere, or past GRID_COUNTERS output tiles, by a second launch.
     ``gather``: A is a conv's im2col read in place (tensor_maps.Im2colA; ``a`` stands for its
-    (pixels, gather.k(bk)) shape, K-major): the wgmma kernel only, else UnsupportedError."""
+    (pixels, gather.k(bk)) shape, K-major): the wgmma kernel only, else UnsupportedError.
+    ``out_rows`` (with ``gather``, no residual): y's row m is image pixel (n, p, q) of (P * Q, Q,
+    n's stride, p's, q's, offset) (specs.ROW_PARAMS), y's M stride unused.
+    ``b_gather``: B is a conv's im2col read in place, K its output pixels, N its (tap, channel)
+    columns (``b`` stands for its (pixels, R * S * C) N-major shape; C a multiple of 64): a
+    weight gradient's; the wgmma kernel only, else UnsupportedError."""
     for name, op in (("a", a), ("b", b)):
         if op.dtype not in IN_DTYPES:
             raise DTypeError(f"{name}: data type {op.dtype} is not one of {', '.join(IN_DTYPES)}", arg=name)
@@ -229,7 +235,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
     sms = sms or _sm_count()
-    skinny = None if gather else plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align),
+    skinny = None if gather or b_gather else plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align),
                                              (b_major, b_sn, b_sk, b.align), bstride,
                                              out_strides, r_strides, scalars, params, tile, split_k, sms)
     if skinny is not None:  # decode rows: the memory-bound GEMV (heuristic.skinny_rows)
@@ -238,17 +244,23 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         tile = None
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
+    if out_rows is not None and gather is None:
+        raise ValidationError("out_rows: image rows are an implicit GEMM's (give gather)", arg="out_rows")
     if gather is not None:
         if spec.kernel != "wgmma" or spec.promote or not _wgmma_direct(b.dtype, b_major, b_sn, b_sk, b.align, 0):
             raise UnsupportedError(f"an implicit im2col A needs the wgmma kernel reading B in place, not {spec.uri}")
-        spec = dataclasses.replace(spec, a_gather=gather.mode)
+        spec = dataclasses.replace(spec, a_gather=gather.mode, c_rows=out_rows is not None)
+    if b_gather is not None:
+        if spec.kernel != "wgmma" or b_major != "n" or b_gather.mode != "im2col" or b_gather.dims[1] % 64:
+            raise UnsupportedError(f"an implicit im2col B needs the wgmma kernel, N-major, C % 64 == 0, not {spec.uri}")
+        spec = dataclasses.replace(spec, b_gather=True, cluster=1)
     repacks, scratch = [], []
     if spec.kernel == "wgmma":
         repacks, scratch, (a_sm, a_sk), (b_sk, b_sn), geo = _repacks(
             geo, (a, a_major, a_sm, a_sk), (b, b_major, b_sn, b_sk), three_tf32=precision == "exact"
             and a.dtype == "float32")
     plan = _build(spec, req, geo, (a_sm, a_sk), (b_sk, b_sn), out_strides, r_strides, scalars, params, sms, split_k,
-                  gather)
+                  (gather, b_gather), out_rows)
     if not repacks:
         return plan
     # the GEMM reads the repacked copies; its own scratch (split-K partials) follows theirs
@@ -359,7 +371,7 @@ def _ints(*values) -> tuple:
 
 
 def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_strides, r_strides, scalars, params,
-           sms, split_k, gather=None) -> Plan:
+           sms, split_k, gathers=(None, None), rows=None) -> Plan:
     batch, m, n, k = geo.batch, geo.m, geo.n, geo.k
     a_sm, a_sk = a_str
     b_sk, b_sn = b_str
@@ -381,8 +393,10 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         splits = -(-k // chunk)
     out_tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
     fin = _finish_spec(spec, out_tiles) if splits > 1 else None
+    if fin is None and spec.c_rows:   # image rows: no second launch to write them
+        splits = 1
     if fin is not None:  # one launch: each split's partial tile to scratch, the last split of a tile finishes it
-        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits, gather)
+        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits, gathers, rows)
         launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
                                + ("scratch0",), maps + geometry_args + bmul + (np.int32(chunk),) + epi_args))
         return Plan(tuple(launches), scratch=(splits * out_tiles * spec.bm * spec.bn * 4,))
@@ -391,7 +405,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
                                    amax=False, scaled=False, split=True, norm="")
         part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
         if spec.kernel == "wgmma":
-            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits, gather)
+            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits, gathers)
             part_args = maps + geometry_args + bmul + part_args
         else:
             grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
@@ -407,7 +421,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         return Plan(tuple(launches), scratch=(splits * batch * m * n * 4,))
     pointers = ("y", "a", "b") + epi_roles
     if spec.kernel == "wgmma":
-        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch, gather)
+        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch, gathers, rows)
         args = maps + geometry_args + bmul + epi_args
         launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
         return Plan(tuple(launches))
@@ -427,21 +441,27 @@ def _finish_spec(spec: MatmulSpec, out_tiles: int) -> MatmulSpec | None:
         return None
 
 
-def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int, gather=None) -> tuple:
+def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int, gathers=(None, None),
+                  rows=None) -> tuple:
     """The wgmma kernel's tensor maps, its persistent grid over ``planes`` (batch, or batch x
     splits) of tiles, and the arguments after the geometry's: the batch multipliers of its A
-    and B coordinates (0: broadcast), and an implicit A's conv geometry."""
+    and B coordinates (0: broadcast), an implicit A's or B's conv geometry, y's image rows."""
     (a_sm, a_sk), (b_sk, b_sn) = a_str, b_str
     m, n, k, batch = geo.m, geo.n, geo.k, geo.batch
+    gather, b_gather = gathers
+    chunk = 128 // _size(spec.b_dtype)   # an N-major B's box: 128 bytes of N
     a_map = (gather.tensor_map(1, spec.bk, spec.bm) if gather else
              _operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm))
-    maps = (a_map, _operand_map(2, spec.b_dtype, spec.b_major == "k", n, gather.b_k if gather else k, b_sn, b_sk,
-                                geo.b[2], batch, spec.bk, spec.bn // spec.cluster))
+    b_map = (b_gather.tensor_map(2, chunk, spec.bk) if b_gather else
+             _operand_map(2, spec.b_dtype, spec.b_major == "k", n, gather.b_k if gather else k, b_sn, b_sk,
+                          geo.b[2], batch, spec.bk, spec.bn // spec.cluster))
+    maps = (a_map, b_map)
     c = spec.cluster
     tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * planes   # tile groups of c blocks
     grid = (c * max(1, min(sms // c, tiles)), 1, 1)
     return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + (
-        gather.args(spec.bk) if gather else ())
+        gather.args(spec.bk) if gather else b_gather.args(chunk) if b_gather else ()) + (
+        (np.int32(rows[0]), np.int32(rows[1]), *(np.int64(v) for v in rows[2:])) if rows else ())
 
 
 def _operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:

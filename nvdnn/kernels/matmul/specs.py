@@ -35,10 +35,14 @@ INT32_MAX = 2 ** 31 - 1
 DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's size without a device
 _CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
           "float8_e4m3": "unsigned char", "float8_e5m2": "unsigned char"}
-# the implicit-GEMM A operand's geometry (tensor_maps.Im2colA.args), after a_bmul / b_bmul
+# an implicit-GEMM operand's conv geometry (tensor_maps.Im2colA.args: A's, or B's with b_gather),
+# after a_bmul / b_bmul
 # "im2col": a K slice is one 128-byte row of a tap's channels; "im2col16" / "im2col32": a
 # pixel's channels (C at most 16 / 32 bytes) are one 16- / 32-byte column, several taps a K slice
 GATHERS = ("", "im2col", "im2col16", "im2col32")
+# c_rows: y's row m is output pixel (n, p, q) = (m / y_pq, m % y_pq / y_q, m % y_q), written at
+# n * y_si + p * y_sh + q * y_sw + y_off (a strided dgrad's phase writing its pixels of dx)
+ROW_PARAMS = ("int y_pq", "int y_q", "long long y_si", "long long y_sh", "long long y_sw", "long long y_off")
 GATHER_PARAMS = ("conv_c", "conv_cb", "conv_s", "conv_pq", "conv_q", "conv_sh", "conv_sw", "conv_ph", "conv_pw",
                  "conv_dh", "conv_dw")
 _PTX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
@@ -227,6 +231,8 @@ class MatmulSpec(KernelSpec):
                                  # (False: fast accumulation, the tensor core's reduced precision throughout)
     norm: str = optional_field("")  # NORMS: a folded inference batch norm per column, after the bias
     a_gather: str = optional_field("")  # wgmma, A a conv's im2col of an NHWC image read in place (GATHERS)
+    c_rows: bool = optional_field(False)  # wgmma: y's rows are image pixels through three strides (ROW_PARAMS)
+    b_gather: bool = optional_field(False)  # wgmma: B (pixels x taps * C, N-major) a conv's im2col read in place
 
     @property
     def template(self) -> str:
@@ -274,6 +280,12 @@ class MatmulSpec(KernelSpec):
         one_of(self.stages, (2, 3, 4, 5, 6), "stages")
         one_of(self.bm // self.wm, (64, 128), "bm")
         one_of(self.a_gather, GATHERS if self.a_dtype not in FP8 else ("",), "a_gather")
+        if self.c_rows and (self.split or self.residual):
+            raise ValidationError("c_rows: image rows take the one-launch kernel with no residual", arg="c_rows")
+        if self.b_gather and (self.a_dtype not in HALF or self.b_major != "n" or self.a_gather or self.c_rows
+                              or self.cluster > 1):
+            raise ValidationError("b_gather: an im2col B is 16-bit and N-major (a tap's channels along N), read "
+                                  "by one block, with a plain A and y", arg="b_gather")
         if self.a_gather and (self.a_major != "k" or self.promote):
             raise ValidationError("a_gather: an im2col A is K-major (channels contiguous), no promoting",
                                   arg="a_gather")
@@ -290,6 +302,8 @@ class MatmulSpec(KernelSpec):
 
     def _validate_mma(self):
         one_of(self.a_gather, ("",), "a_gather")
+        one_of(self.c_rows, (False,), "c_rows")
+        one_of(self.b_gather, (False,), "b_gather")
         if self.a_dtype in FP8:
             raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
         one_of(self.a_major, ("k", "m"), "a_major")
@@ -309,6 +323,8 @@ class MatmulSpec(KernelSpec):
 
     def _validate_simt(self):
         one_of(self.a_gather, ("",), "a_gather")
+        one_of(self.c_rows, (False,), "c_rows")
+        one_of(self.b_gather, (False,), "b_gather")
         one_of(self.a_major, A_MAJORS, "a_major")
         one_of(self.b_major, B_MAJORS, "b_major")
         one_of(self.precision, ("exact",) if self.a_dtype == "float32" else ("",), "precision")
@@ -352,9 +368,9 @@ class MatmulSpec(KernelSpec):
         if self.kernel == "mma":
             tile += f"v{self.vec}"
         return (f"matmul/{self.kernel}/{_short(self.a_dtype)}.{self.a_major}" + (f".{self.a_gather}" if self.a_gather else "")
-                + f"x{_short(self.b_dtype)}.{self.b_major}"
+                + f"x{_short(self.b_dtype)}.{self.b_major}" + (".im2col" if self.b_gather else "")
                 + (f"/{self.precision}" if self.precision else "") + ("/split" if self.split else "")
-                + ("/splitk" if self.finish else "")
+                + ("/splitk" if self.finish else "") + ("/rows" if self.c_rows else "")
                 + _epilogue_uri(self) + "/" + tile)
 
     @property
@@ -375,7 +391,8 @@ class MatmulSpec(KernelSpec):
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
-            "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather,
+            "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather, "c_rows": self.c_rows,
+            "b_gather": self.b_gather,
             "split": self.split, "finish": self.finish,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
             "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
@@ -388,7 +405,8 @@ class MatmulSpec(KernelSpec):
             "geometry_params": ["int M", "int N", "int K", "int batch", "long long a_sm", "long long a_sk",
                                 "long long a_sb", "long long b_sk", "long long b_sn", "long long b_sb"]
             + (["int a_bmul", "int b_bmul"] if self.kernel == "wgmma" else [])
-            + [f"int {name}" for name in (GATHER_PARAMS if self.a_gather else ())]
+            + [f"int {name}" for name in (GATHER_PARAMS if self.a_gather or self.b_gather else ())]
+            + list(ROW_PARAMS if self.c_rows else ())
             + (["int k_chunk"] if self.split or self.finish else []) + _epilogue_scalars(self),
         })
         return ctx
