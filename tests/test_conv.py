@@ -508,7 +508,7 @@ def _im2col_b(spec, b_map, x, width, n, k, conv_args):
 
 def _emulate_gemm(launch, mem):
     spec, args = launch.spec, list(launch.args)
-    assert not spec.split and not spec.amax and not spec.scaled   # a split-K finish sums the same products
+    assert not spec.amax and not spec.scaled   # a split-K finish sums the same products
     maps = [args.pop(0), args.pop(0)] if spec.kernel == "wgmma" else None
     m, n, k, batch = (int(v) for v in args[:4])
     a_sm, a_sk, a_sb, b_sk, b_sn, b_sb = (int(v) for v in args[4:10])
@@ -517,7 +517,7 @@ def _emulate_gemm(launch, mem):
         bmul = [int(args.pop(0)), int(args.pop(0))]
         conv_args = [int(args.pop(0)) for _ in range(11)] if spec.a_gather or spec.b_gather else None
         rows_args = [int(args.pop(0)) for _ in range(6)] if spec.c_rows else None
-        chunk = int(args.pop(0)) if spec.finish else k
+        chunk = int(args.pop(0)) if spec.finish or spec.split else k
         if spec.finish:
             assert 0 < chunk < k and launch.pointers[-1].startswith("scratch")   # the K chunk
     if maps and spec.a_gather:   # every split's walk from its own start: together the whole K
@@ -554,6 +554,13 @@ def _emulate_gemm(launch, mem):
         b = _read(mem[launch.pointers[2]], (batch, k, n), (b_sb, b_sk, b_sn))
     c_sm, c_sn, c_sb = (int(v) for v in args[:3])
     args = args[3:]
+    if spec.split:   # float32 partials of K chunks, [split][batch][M][N] (the reduce launch sums them)
+        assert (c_sm, c_sn, c_sb) == (n, 1, m * n) and not (spec.bias or spec.residual or spec.epilogue)
+        out = mem[launch.pointers[0]]
+        for part, k0 in enumerate(range(0, k, chunk)):
+            out[part * batch * m * n:(part + 1) * batch * m * n] = np.matmul(
+                a[..., k0:k0 + chunk], b[:, k0:k0 + chunk]).ravel()
+        return
     y = np.matmul(a, b)
     if spec.residual:
         r_sm, r_sn, r_sb = (int(v) for v in args[:3])
@@ -578,6 +585,16 @@ def _emulate_gemm(launch, mem):
         out[off + (mi // pq) * si + (mi % pq // q) * sh + (mi % q) * sw + ni * c_sn + bi * c_sb] = y
         return
     out[bi * c_sb + mi * c_sm + ni * c_sn] = y
+
+
+def _emulate_reduce(launch, mem):
+    """matmul_reduce with no epilogue but alpha: y = alpha * the sum of the split partials."""
+    spec, args = launch.spec, launch.args
+    assert not (spec.bias or spec.residual or spec.epilogue or spec.norm or spec.amax)
+    m, n, batch, splits, c_sm, c_sn, c_sb = (int(v) for v in args[:7])
+    parts = mem[launch.pointers[1]][:splits * batch * m * n].reshape(splits, batch, m, n)
+    bi, mi, ni = np.indices((batch, m, n))
+    mem[launch.pointers[0]][bi * c_sb + mi * c_sm + ni * c_sn] = float(args[7]) * parts.sum(axis=0)
 
 
 def _run_plan(plan, mem):

@@ -13,7 +13,7 @@ from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.graph.tensor import nhwc_strides
 from nvdnn.kernels import conv, conv_backward as cb, reduce
 from nvdnn.kernels.pointwise import Operand
-from tests.test_conv import _buffer, _emulate_gemm, _emulate_im2col, _emulate_repack, _read, _uris
+from tests.test_conv import _buffer, _emulate_gemm, _emulate_im2col, _emulate_reduce, _emulate_repack, _read, _uris
 
 
 def _op(dtype, dims, layout):
@@ -41,6 +41,15 @@ def _emulate_col2im(launch, mem):
     dx[n * sn + c * sc + h * sh + w * sw] = acc
 
 
+def _emulate_phase_zero(launch, mem):
+    """phase_zero.cu.j2 by its header: zeros at dx's pixels whose phase bit is set."""
+    n_, c_, h_, w_, phases = (int(v) for v in launch.args[:5])
+    sn, sc, sh, sw = (int(v) for v in launch.args[5:])
+    n, c, h, w = np.indices((n_, c_, h_, w_))
+    hit = (phases >> ((h % 2) * 2 + w % 2)) & 1 == 1
+    mem[launch.pointers[0]][(n * sn + c * sc + h * sh + w * sw)[hit]] = 0.0
+
+
 def _emulate_skinny(launch, mem):
     """The skinny GEMM (wgrad with K <= 8 output channels): y = alpha * A @ B through its strides."""
     assert not (launch.spec.bias or launch.spec.residual or launch.spec.epilogue)
@@ -61,7 +70,9 @@ def _run(plan, mem, dy=None):
             mem["dbias"] = dy.sum(axis=(0, 2, 3))
             continue
         {"im2col": _emulate_im2col, "repack": _emulate_repack, "matmul": _emulate_gemm,
-         "col2im": _emulate_col2im, "matmul_skinny": _emulate_skinny}[family](launch, mem)
+         "col2im": _emulate_col2im, "matmul_skinny": _emulate_skinny, "matmul_reduce": _emulate_reduce,
+         "phase_zero": _emulate_phase_zero}[family](
+            launch, mem)
 
 
 EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layouts (x and dy, w)
@@ -90,6 +101,13 @@ EMULATED = [  # x shape, w shape, stride, padding, dilation, dtype, arch, layout
     ((1, 64, 15, 15), (64, 64, 7, 7), 2, 3, 1, "float16", "sm_90", ("NHWC", "NHWC")),
     # wgrad reading im2col(x) in place (C % 64 == 0): dilated, 128 channels (two chunks a tap), K = 72
     ((2, 128, 9, 7), (72, 128, 3, 3), 1, 2, 2, "bfloat16", "sm_90", ("NHWC", "NHWC")),
+    # 1 x 1 stride 2 over an NHWC dy: phase (0, 0) a GEMM, the odd rows and columns zeroed (odd sizes,
+    # an NCHW dx: channel-strided zeros); 1 x 3 with padding (0, 1): the odd rows zeroed
+    ((2, 64, 9, 7), (72, 64, 1, 1), 2, 0, 1, "float16", "sm_90", ("NHWC", "NHWC")),
+    ((2, 64, 8, 6), (64, 64, 1, 3), 2, (0, 1), 1, "bfloat16", "sm_90", ("NHWC", "NCHW")),
+    # a long K (N * P * Q = 24576 output pixels, 384 slices) over one output tile: one wave of
+    # splits whose partials a second launch sums
+    ((2, 64, 96, 128), (64, 64, 1, 1), 1, 0, 1, "float16", "sm_90", ("NHWC", "NHWC")),
 ]
 
 
@@ -193,15 +211,17 @@ def test_strided_dgrad_runs_four_phases_over_nhwc_and_col2im_over_nchw():
 def test_wgrad_splits_the_long_reduction_and_reorders_a_kcrs_dw():
     dy, x = _op("float16", (32, 64, 56, 56), "NCHW"), _op("float16", (32, 64, 56, 56), "NCHW")
     plan = cb.plan_conv_wgrad(dy, x, (64, 64, 3, 3), padding=1, arch="sm_90")
-    assert [l.spec.family for l in plan.launches] == ["repack", "im2col", "matmul", "im2col"]
-    gemm = plan.launches[2]
-    assert gemm.spec.finish or gemm.spec.split
+    # a long K over 5 output tiles: one wave of 26 splits, their partials summed by a second launch
+    assert [l.spec.family for l in plan.launches] == ["repack", "im2col", "matmul", "matmul_reduce", "im2col"]
+    gemm, total = plan.launches[2:4]
+    assert gemm.spec.split and int(total.args[3]) == 132 // 5 and gemm.grid[0] == 130
     assert tuple(int(v) for v in gemm.args[2:5]) == (64, 576, 32 * 56 * 56)   # M = K, N = R*S*C, K = N*P*Q
     assert plan.launches[-1].pointers == ("dw", "scratch2")
     nhwc = cb.plan_conv_wgrad(_op("float16", dy.shape, "NHWC"), _op("float16", x.shape, "NHWC"), (64, 64, 3, 3),
                               padding=1, arch="sm_90")
-    (gemm,) = nhwc.launches   # Hopper, C % 64 == 0: im2col(x) read in place by the GEMM's B loads
-    assert gemm.spec.b_gather and gemm.pointers[:3] == ("dw", "dy", "x") and ".n.im2col/" in gemm.spec.uri
+    gemm, total = nhwc.launches   # Hopper, C % 64 == 0: im2col(x) read in place by the GEMM's B loads
+    assert gemm.spec.b_gather and gemm.pointers[:3] == ("scratch0", "dy", "x") and ".n.im2col/" in gemm.spec.uri
+    assert total.spec.family == "matmul_reduce" and total.pointers == ("dw", "scratch0")
     ampere = cb.plan_conv_wgrad(_op("float16", dy.shape, "NHWC"), _op("float16", x.shape, "NHWC"), (64, 64, 3, 3),
                                 padding=1, arch="sm_80")
     assert [l.spec.family for l in ampere.launches][:2] == ["im2col", "matmul"] and ampere.launches[1].pointers[1:3] == (
@@ -325,6 +345,7 @@ def test_functional_checks_before_the_device():
 def warmed(tmp_path_factory):
     from tests.presets import warmed_preset
     specs = [cb.Col2imSpec(dt, c, v) for dt in conv.DTYPES for c, v in ((False, 1), (True, 1), (True, 4))]
+    specs += [cb.PhaseZeroSpec(dt, v) for dt in conv.DTYPES for v in (1, 4 if dt == "float32" else 8)]
     specs = list(dict.fromkeys(specs + cb.preset()))
     jobs = [(s, a) for s in specs for a in ("sm_80", "sm_90") if not conv.unsupported_reason(s, a)]
     return warmed_preset(tmp_path_factory.mktemp("convbw-cache"), jobs)
@@ -335,6 +356,8 @@ def test_every_backward_kernel_compiles_and_col2im_does_not_spill(warmed):
     entries = warmed["entries"]
     assert {a for _, a in entries} == {"sm_80", "sm_90", "sm_90a"}
     gathers = {k: e for k, e in entries.items() if k[0].startswith("col2im/")}
+    zeros = {k: e for k, e in entries.items() if k[0].startswith("phase_zero/")}
+    assert len(zeros) == 6 * 2 and not any(e.meta["spill_bytes"] or e.meta["stack_bytes"] for e in zeros.values())
     assert len(gathers) == 9 * 2   # 3 types x 2 orders (C innermost: 1 or 4 channels a thread), sm_80 and sm_90
     assert {k for k, e in gathers.items() if e.meta["spill_bytes"] or e.meta["stack_bytes"]} == set()
 
@@ -365,4 +388,5 @@ def test_resnet50_training_warms_every_convs_dgrad_and_wgrad():
     assert plan.failed == [] and plan.skipped == {}
     assert plan.layers == inference.layers + 52 + 53   # dgrad of every conv but the stem's, wgrad of all 53
     uris = {spec.uri for spec, _ in plan.jobs}
-    assert set(inference.jobs) < set(plan.jobs) and {"col2im/f16.c.v4", "im2col/f16.v8/pad"} <= uris
+    assert set(inference.jobs) < set(plan.jobs) and {"phase_zero/f16.v8", "im2col/f16.v8/pad"} <= uris
+    assert not any(uri.startswith("col2im/") for uri in uris)   # stride-2 dgrads run as phases

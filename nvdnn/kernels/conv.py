@@ -279,7 +279,7 @@ def candidates(spec) -> list:
 def unsupported_reason(spec, arch: str) -> str | None:
     """The gathers run anywhere; dbias's sum (conv_backward) is the reduce family's; the rest the GEMM's
     or the direct kernel's."""
-    if spec.family in ("im2col", "col2im"):
+    if spec.family in ("im2col", "col2im", "phase_zero"):
         return None
     if spec.family == "conv_direct":
         return conv_direct.unsupported_reason(spec, arch)

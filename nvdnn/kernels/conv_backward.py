@@ -2,7 +2,9 @@
 
 - dgrad, dx = conv^T(dy, w). Stride 1 (with padding <= dil * (R - 1)): the forward conv of dy
   with w flipped and transposed, reordered by the forward's gather (see _dgrad_as_fprop).
-  Otherwise (ResNet's stride-2 layers): the GEMM dcol (N*P*Q, R*S*C) = dy (N*P*Q, K) @ w (K, R*S*C) into
+  Stride 2 undilated over a channels-last dy on Hopper: dx in its four phases, each an implicit
+  GEMM writing its own pixels, phases no tap reaches zeroed (see _dgrad_phases).
+  Otherwise: the GEMM dcol (N*P*Q, R*S*C) = dy (N*P*Q, K) @ w (K, R*S*C) into
   float32 plan scratch, then a col2im gather (templates/conv/col2im.cu.j2: each dx element
   sums the taps that read it, in a fixed order: no atomics, deterministic) writing dx through
   its strides. w is read as it lies when its (r, s, c) or (c, r, s) dims fold into one stride
@@ -69,6 +71,44 @@ class Col2imSpec(KernelSpec):
     def render_context(self) -> dict:
         return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "c_inner": self.c_inner, "block": BLOCK,
                 "vec": self.vec}
+
+
+@dataclass(frozen=True)
+class PhaseZeroSpec(KernelSpec):
+    """Zeros into the pixels of a stride-2 dgrad's dx that no tap reaches (the phases with no
+    GEMM). Pointers: dx."""
+    family = "phase_zero"
+    template = "conv/phase_zero.cu.j2"
+    tiles_exact = True
+
+    dtype: str               # dx's
+    vec: int                 # channels a store: 16 bytes of contiguous channels, else 1
+
+    def validate(self) -> None:
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.vec, (1, 16 // dtypes.BY_NAME[self.dtype].itemsize), "vec")
+
+    @property
+    def uri(self) -> str:
+        return f"phase_zero/{dtypes.BY_NAME[self.dtype].short}.v{self.vec}"
+
+    def render_context(self) -> dict:
+        return {"out_ctype": dtypes.BY_NAME[self.dtype].ctype, "block": BLOCK, "vec": self.vec}
+
+
+def _phase_zero(dtype: str, cv: Conv, dx_strides, phases: int) -> Launch:
+    """The launch zeroing dx's pixels in the phases of bit mask ``phases`` (bit 2 (h % 2) + w % 2)."""
+    sn, sc, sh, sw = dx_strides
+    width = dtypes.BY_NAME[dtype].itemsize
+    wide = 16 // width
+    vec = wide if sc == 1 and cv.c % wide == 0 and all((st * width) % 16 == 0 for st in (sn, sh, sw)) else 1
+    per_image = cv.c * cv.h * cv.w // vec
+    grid = (max(1, min(-(-per_image // BLOCK), MAX_BLOCKS)), min(cv.n, 65535), 1)
+    if per_image + grid[0] * BLOCK > INT32_MAX:
+        raise UnsupportedError(f"dx: one image of C*H*W = {cv.c * cv.h * cv.w} elements; the phase zeroing takes "
+                               f"fewer than 2^31 - {grid[0] * BLOCK}")
+    args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, phases)), *(np.int64(v) for v in dx_strides))
+    return Launch(PhaseZeroSpec(dtype, vec), grid, (BLOCK, 1, 1), 0, ("dx",), args)
 
 
 def _types(**ops: Operand) -> str:
@@ -162,20 +202,21 @@ def _dgrad_as_fprop(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: st
 
 
 def _dgrad_phases(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: str, gemm: dict) -> Plan | None:
-    """Stride 2, undilated, at least 2 x 2 taps: dx in its four phases (h % 2, w % 2) = (a, b),
+    """Stride 2, undilated: dx in its four phases (h % 2, w % 2) = (a, b),
     each the forward conv of dy with the taps of w that reach it (r = r0, r0 + 2, ...: ceil or
     floor of R / 2 of them, flipped), an implicit GEMM over dy whose epilogue writes its rows
     (n, h', w') to dx[n, 2 h' + a, 2 w' + b] (matmul out_rows): no float32 columns, no col2im.
     In one dim, dx row h = 2 h' + a reads dy row p = (h + pad - r) / 2 through taps r = r0 + 2 t,
     r0 = (a + pad) % 2: as a conv, output h' reads dy row h' - pad' + t' with w's tap
-    r0 + 2 (T - 1 - t'), pad' = T - 1 - (a + pad - r0) / 2 (it may be negative). None where the
-    im2col map cannot read dy or no wgmma kernel serves the request."""
-    if cv.stride != (2, 2) or cv.dilation != (1, 1) or min(cv.r, cv.s) < 2 or dy.strides[1] != 1:
+    r0 + 2 (T - 1 - t'), pad' = T - 1 - (a + pad - r0) / 2 (it may be negative). Phases no tap
+    reaches (T = 0: a 1 x 1 conv's odd rows and columns) are zeroed by one launch (PhaseZeroSpec).
+    None where the im2col map cannot read dy or no wgmma kernel serves the request."""
+    if cv.stride != (2, 2) or cv.dilation != (1, 1) or dy.strides[1] != 1:
         return None
     wk, wc, wr, ws = w.strides
     image = Operand(w.dtype, (cv.c, cv.k, cv.r, cv.s), (wc, wk, wr, ws), w.align)   # C images of K channels
     sn, _, sh, sw = dx_strides
-    launches, scratch = [], []
+    launches, scratch, zero = [], [], 0
     for a in (0, 1):
         for b in (0, 1):
             out = ((cv.h - a + 1) // 2, (cv.w - b + 1) // 2)
@@ -187,6 +228,9 @@ def _dgrad_phases(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: str,
                 first.append(r0 + 2 * ((size - r0 + 1) // 2 - 1))
                 taps.append((size - r0 + 1) // 2)
                 pads.append(taps[-1] - 1 - (phase + pad - r0) // 2)
+            if 0 in taps:   # no tap reaches these pixels (a 1 x 1 conv's odd rows / columns)
+                zero |= 1 << (2 * a + b)
+                continue
             gather = matmul.Im2colA(dy.dtype, (cv.n, cv.k, cv.p, cv.q), out, tuple(taps), (1, 1), tuple(pads),
                                     (1, 1), (dy.strides[0], dy.strides[2], dy.strides[3]))
             if gather.unsupported(dy.align) is not None or gather.mode != "im2col":   # B: taps of K rows
@@ -207,6 +251,8 @@ def _dgrad_phases(dy: Operand, w: Operand, cv: Conv, dx_strides, out_dtype: str,
             except UnsupportedError:
                 return None
             _gemm(plan, {"y": "dx", "a": "dy", "b": dst}, launches, scratch)
+    if zero:
+        launches.append(_phase_zero(out_dtype, cv, dx_strides, zero))
     return Plan(tuple(launches), tuple(scratch))
 
 

@@ -12,24 +12,28 @@ WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2
                    (256, 64, 5, 2): 0.61, (128, 64, 6, 2): 0.6, (64, 64, 6, 1): 0.55}
 
 
-def _wgmma_tile(geo, sms: int) -> tuple:
+def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     """The tile of least modelled time: whole waves of tiles over the SMs (the last partial
-    wave costs a full one) times a tile's work over its relative throughput. Up to 64 rows of
-    A (decode: a weight streamed from memory) take one warpgroup of 64 rows, 128 columns while
-    those tiles fill one wave, else 256 (fewer, longer streams)."""
+    wave costs a full one) times a tile's work over its relative throughput; a long K split
+    over the SMs (``long_k_splits``) counts its units' waves instead. Up to 64 rows of A
+    (decode: a weight streamed from memory; a weight gradient's few output channels) take one
+    warpgroup of 64 rows, 128 columns while those tiles fill one wave, else 256 (fewer, longer
+    streams)."""
     if geo.m <= 64:
         return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
+    slices = -(-geo.k // bk)
 
     def cost(tile):
         bm, bn = tile[0], tile[1]
         tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
-        return -(-tiles // sms) * bm * bn / WGMMA_HEURISTIC[tile]
+        splits = long_k_splits(tiles, slices, sms)
+        return -(-tiles * splits // sms) * (-(-slices // splits) + SPLIT_FIXED) * bm * bn / WGMMA_HEURISTIC[tile]
     return min(WGMMA_HEURISTIC, key=cost)
 
 
 def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
     if kernel == "wgmma" and not promote:
-        bm, bn, stages, wm = _wgmma_tile(geo, sms)
+        bm, bn, stages, wm = _wgmma_tile(geo, sms, 128 // _size(req.a_dtype))
         tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
         # Many waves of 128 x 256 tiles: pairs of blocks share B by multicast (H200, 8192^3: fp16
         # 0.91x cuBLAS against 0.88x alone, bias+GELU 1.58 ms against 1.69; equal at 4096^3)
@@ -64,6 +68,13 @@ SPLIT_MIN_SLICES = 4
 SPLIT_FIXED = 3
 SPLIT_GAIN = 0.9
 SPLIT_MAX = 32
+# A long K over few output tiles (a conv's weight gradient: K = N * P * Q output pixels): the
+# one-launch finish sums a tile's partials in one block, a serial read of splits x tile bytes
+# at the end (H200, ResNet-50's 1x1 64->64 wgrad, 1 tile x 32 splits: 26 us against cuDNN's
+# 12.6). From LONG_K_SLICES K slices on tiles filling at most a quarter of the SMs, the splits
+# fill one wave of units and a second launch (MatmulReduceSpec) sums the partials over the GPU
+# (not when promoting: fp8 and 3xTF32 keep the finish they were measured with).
+LONG_K_SLICES = 384
 
 
 def _wgmma_splits(tiles: int, slices: int, extra: float, sms: int) -> int:
@@ -81,6 +92,22 @@ def _wgmma_splits(tiles: int, slices: int, extra: float, sms: int) -> int:
     return best if cost(best) <= SPLIT_GAIN * cost(1) else 1
 
 
+def long_k_splits(tiles: int, slices: int, sms: int) -> int:
+    """Splits of a long K over few tiles (one wave of units, each at least SPLIT_MIN_SLICES
+    slices), or 1 outside that regime."""
+    if slices < LONG_K_SLICES or tiles * 4 > sms:
+        return 1
+    return max(1, min(sms // tiles, slices // SPLIT_MIN_SLICES))
+
+
+def sums_in_second_launch(spec: MatmulSpec, geo, splits: int, sms: int = DEFAULT_SMS) -> bool:
+    """Whether a wgmma plan's split partials are summed by a second launch (a long K over few
+    tiles, ``long_k_splits``) rather than by the last split of each tile."""
+    tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
+    return (splits > 1 and not (spec.scaled or spec.c_rows or spec.promote)
+            and long_k_splits(tiles, -(-geo.k // spec.bk), sms) > 1)
+
+
 def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
     """K ranges for split-K: asked for (at most one a K slice), or the heuristic's: on the
     persistent wgmma grid the wave model of ``_wgmma_splits`` (none for a 2-block cluster
@@ -94,7 +121,10 @@ def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_S
     if spec.kernel == "wgmma":
         # a partial tile's bytes (rows past M are not written) over a slice's (128 bytes of K a row)
         extra = 2 * min(spec.bm, geo.m) * spec.bn * 4 / ((spec.bm + spec.bn) * 128)
-        return _wgmma_splits(tiles, -(-geo.k // spec.bk), extra, sms)
+        slices = -(-geo.k // spec.bk)
+        if not (spec.scaled or spec.c_rows or spec.promote) and long_k_splits(tiles, slices, sms) > 1:
+            return long_k_splits(tiles, slices, sms)
+        return _wgmma_splits(tiles, slices, extra, sms)
     if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
         return 1
     return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))

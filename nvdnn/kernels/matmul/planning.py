@@ -15,7 +15,7 @@ from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
-from .heuristic import _heuristic_tile, split_count
+from .heuristic import _heuristic_tile, split_count, sums_in_second_launch
 from .skinny import SkinnySpec, plan_skinny
 from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
@@ -392,7 +392,7 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
         chunk = -(-(-(-k // splits)) // step) * step
         splits = -(-k // chunk)
     out_tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
-    fin = _finish_spec(spec, out_tiles) if splits > 1 else None
+    fin = _finish_spec(spec, out_tiles) if splits > 1 and not sums_in_second_launch(spec, geo, splits, sms) else None
     if fin is None and spec.c_rows:   # image rows: no second launch to write them
         splits = 1
     if fin is not None:  # one launch: each split's partial tile to scratch, the last split of a tile finishes it
