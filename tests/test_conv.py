@@ -450,19 +450,25 @@ def _im2col_box(tmap, x, width, c0, w0, h0, n0, dw, dh):
     return out
 
 
+def _origin(pixel, conv_args):
+    """common/sm90_tma_im2col.cuh's im2col_origin: an output pixel's image and tap-0 input pixel."""
+    _, _, _, pq, q, sh, sw, ph, pw, _, _ = conv_args
+    img, ohw = divmod(pixel, pq)
+    return img, (ohw // q) * sh - ph, (ohw % q) * sw - pw
+
+
 def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0, bt):
     """A (M, K) and B (K, N) of batch ``bt`` as the wgmma producer loads them for an im2col A:
     per tile of BM rows its first pixel and tap-0 corner, per K slice (from ``k0``, the split's
     start) the channel slice and tap its counters walk, A by the im2col map, B's columns tap * C
     + cb * BK; "im2col16" / "im2col32": the slice's taps side by side, 16 / 32 bytes of channels
     each, zeros past the last tap, B's columns as they are."""
-    c, cbs, s_, pq, q, sh, sw, ph, pw, dh, dw = conv_args
+    c, cbs, s_, _, _, _, _, _, _, dh, dw = conv_args
     bk, bm = spec.bk, spec.bm
     a = np.zeros((-(-m // bm) * bm, k))
     b_rows = np.zeros((k, b.shape[1]))
     for tm in range(-(-m // bm)):
-        img, ohw = divmod(bt * m + tm * bm, pq)
-        h0, w0 = (ohw // q) * sh - ph, (ohw % q) * sw - pw
+        img, h0, w0 = _origin(bt * m + tm * bm, conv_args)
         if spec.a_gather in ("im2col16", "im2col32"):
             row = int(spec.a_gather[6:])
             taps, cw = bk * width // row, row // width
@@ -492,13 +498,12 @@ def _im2col_operands(spec, a_map, x, width, b, m, k, conv_args, k0, bt):
 def _im2col_b(spec, b_map, x, width, n, k, conv_args):
     """B (K, N) of a b_gather GEMM as its producer loads it: per K slice of BK output pixels,
     each 64-column chunk one im2col box of one tap's channels."""
-    c, _, s_, pq, q, sh, sw, ph, pw, dh, dw = conv_args
+    c, _, s_, _, _, _, _, _, _, dh, dw = conv_args
     bk, chunk = spec.bk, 128 // width
     assert c % chunk == 0 and (b_map.pixels, b_map.channels) == (bk, chunk)
     b = np.zeros((-(-k // bk) * bk, -(-n // chunk) * chunk))
     for k0 in range(0, k, bk):
-        img, ohw = divmod(k0, pq)
-        h0, w0 = (ohw // q) * sh - ph, (ohw % q) * sw - pw
+        img, h0, w0 = _origin(k0, conv_args)
         for col in range(0, n, chunk):
             tap, c0 = divmod(col, c)
             fr, fs = divmod(tap, s_)

@@ -225,6 +225,13 @@ def _after(launches: list, scratch: list, names: dict, gemm: Plan) -> Plan:
     return Plan(tuple(launches) + gemm_launches, scratch=tuple(scratch) + gemm.scratch)
 
 
+def im2col_map(dtype: str, cv: Conv, pitch: int, strides: tuple) -> matmul.Im2colA:
+    """The im2col of ``cv``'s x as TMA reads it in place: channels-last pixels of ``pitch``
+    channels at element ``strides`` (n, h, w)."""
+    return matmul.Im2colA(dtype, (cv.n, pitch, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride, cv.padding,
+                          cv.dilation, strides)
+
+
 def _implicit(x: Operand, w: Operand, cv: Conv, flat: bool, gemm_args: dict) -> Plan | None:
     """The GEMM reading A in place by TMA's im2col mode (an implicit GEMM, no gather), or None
     where no wgmma kernel serves the request (not Hopper; exact float32) or x's geometry is past
@@ -253,8 +260,7 @@ def _implicit(x: Operand, w: Operand, cv: Conv, flat: bool, gemm_args: dict) -> 
         pitch = cv.c if in_place else -(-cv.c // width16) * width16
         strides = (x.strides[0], x.strides[2], x.strides[3]) if in_place else (cv.h * cv.w * pitch, cv.w * pitch,
                                                                                 pitch)
-        gather = matmul.Im2colA(x.dtype, (cv.n, pitch, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride,
-                                cv.padding, cv.dilation, strides)
+        gather = im2col_map(x.dtype, cv, pitch, strides)
         if not in_place:
             names["a"] = _gather(x, _pixels(cv.n, cv.c, cv.h, cv.w), pitch, launches, scratch, pad=True)
         b = _weights(w, cv, pitch, launches, scratch, names)

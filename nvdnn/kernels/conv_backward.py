@@ -36,7 +36,7 @@ from ..spec import KernelSpec, one_of, optional_field
 from . import Launch, Plan, repack
 from . import conv_direct, matmul, reduce
 from .conv import (BLOCK, DTYPES, INT32_MAX, MAX_BLOCKS, Conv, _gemm_view, _im2col, _rows, fold, geometry,
-                   output_layout, packed_strides, plan_conv_fprop)
+                   im2col_map, output_layout, packed_strides, plan_conv_fprop)
 from .matmul.backward import _renamed
 from .pointwise import Operand
 
@@ -102,13 +102,20 @@ def _phase_zero(dtype: str, cv: Conv, dx_strides, phases: int) -> Launch:
     width = dtypes.BY_NAME[dtype].itemsize
     wide = 16 // width
     vec = wide if sc == 1 and cv.c % wide == 0 and all((st * width) % 16 == 0 for st in (sn, sh, sw)) else 1
-    per_image = cv.c * cv.h * cv.w // vec
-    grid = (max(1, min(-(-per_image // BLOCK), MAX_BLOCKS)), min(cv.n, 65535), 1)
-    if per_image + grid[0] * BLOCK > INT32_MAX:
-        raise UnsupportedError(f"dx: one image of C*H*W = {cv.c * cv.h * cv.w} elements; the phase zeroing takes "
-                               f"fewer than 2^31 - {grid[0] * BLOCK}")
     args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, phases)), *(np.int64(v) for v in dx_strides))
-    return Launch(PhaseZeroSpec(dtype, vec), grid, (BLOCK, 1, 1), 0, ("dx",), args)
+    return Launch(PhaseZeroSpec(dtype, vec), _image_grid(cv, vec, "the phase zeroing"), (BLOCK, 1, 1), 0, ("dx",),
+                  args)
+
+
+def _image_grid(cv: Conv, vec: int, what: str) -> tuple:
+    """The grid of a kernel over dx, x striding one image's C * H * W elements (``vec`` a
+    thread) in 32-bit indices, y the batch; UnsupportedError where an image passes them."""
+    per_image = cv.c * cv.h * cv.w
+    grid = (max(1, min(-(-per_image // (BLOCK * vec)), MAX_BLOCKS)), min(cv.n, 65535), 1)
+    if per_image + grid[0] * BLOCK > INT32_MAX:   # the last grid-stride step must fit 32 bits too
+        raise UnsupportedError(f"dx: one image of C*H*W = {per_image} elements; {what} takes fewer than "
+                               f"2^31 - {grid[0] * BLOCK}")
+    return grid
 
 
 def _types(**ops: Operand) -> str:
@@ -167,14 +174,10 @@ def _pixel_rows(role: str, op: Operand, cv: Conv, ch: int, launches: list, scrat
 def _col2im(dtype: str, cv: Conv, dx_strides, ld: int, columns: tuple, src: str) -> Launch:
     """The launch gathering dcol (at row pitch ``ld``, tap columns at ``columns`` = (r, s, c)
     strides) into dx."""
-    per_image = cv.c * cv.h * cv.w
     c_inner = cv.c > 1 and dx_strides[1] == 1
     vec = 4 if c_inner and cv.c % 4 == 0 and ld % 4 == 0 and columns[2] == 1 and all(
         st % 4 == 0 for st in columns[:2]) else 1
-    grid = (max(1, min(-(-per_image // (BLOCK * vec)), MAX_BLOCKS)), min(cv.n, 65535), 1)
-    if per_image + grid[0] * BLOCK > INT32_MAX:   # the last grid-stride step must fit 32 bits too
-        raise UnsupportedError(f"dx: one image of C*H*W = {per_image} elements; dgrad's col2im takes fewer than "
-                               f"2^31 - {grid[0] * BLOCK}")
+    grid = _image_grid(cv, vec, "dgrad's col2im")
     spec = Col2imSpec(dtype, c_inner, vec)
     args = (*(np.int32(v) for v in (cv.n, cv.c, cv.h, cv.w, cv.p, cv.q, cv.r, cv.s, *cv.padding, *cv.stride,
                                     *cv.dilation)), *(np.int64(v) for v in (*dx_strides, ld, *columns)))
@@ -317,8 +320,7 @@ def _x_columns(x: Operand, cv: Conv) -> matmul.Im2colA | None:
     x, 16-bit), or None where the gather kernel writes the columns."""
     if x.dtype not in matmul.HALF or cv.c % 64 or x.strides[1] != 1:
         return None
-    gather = matmul.Im2colA(x.dtype, (cv.n, cv.c, cv.h, cv.w), (cv.p, cv.q), (cv.r, cv.s), cv.stride, cv.padding,
-                            cv.dilation, (x.strides[0], x.strides[2], x.strides[3]))
+    gather = im2col_map(x.dtype, cv, cv.c, (x.strides[0], x.strides[2], x.strides[3]))
     return gather if gather.unsupported(x.align) is None else None
 
 

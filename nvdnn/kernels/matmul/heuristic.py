@@ -100,12 +100,18 @@ def long_k_splits(tiles: int, slices: int, sms: int) -> int:
     return max(1, min(sms // tiles, slices // SPLIT_MIN_SLICES))
 
 
+def _spec_long_k_splits(spec: MatmulSpec, geo, sms: int) -> int:
+    """``long_k_splits`` of a wgmma spec's tiles, or 1 where its partials must be finished in
+    the launch: fp8 and 3xTF32 (promoting, measured with the finish), image rows (c_rows)."""
+    if spec.scaled or spec.c_rows or spec.promote:
+        return 1
+    return long_k_splits(-(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch, -(-geo.k // spec.bk), sms)
+
+
 def sums_in_second_launch(spec: MatmulSpec, geo, splits: int, sms: int = DEFAULT_SMS) -> bool:
     """Whether a wgmma plan's split partials are summed by a second launch (a long K over few
     tiles, ``long_k_splits``) rather than by the last split of each tile."""
-    tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
-    return (splits > 1 and not (spec.scaled or spec.c_rows or spec.promote)
-            and long_k_splits(tiles, -(-geo.k // spec.bk), sms) > 1)
+    return splits > 1 and _spec_long_k_splits(spec, geo, sms) > 1
 
 
 def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
@@ -121,10 +127,8 @@ def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_S
     if spec.kernel == "wgmma":
         # a partial tile's bytes (rows past M are not written) over a slice's (128 bytes of K a row)
         extra = 2 * min(spec.bm, geo.m) * spec.bn * 4 / ((spec.bm + spec.bn) * 128)
-        slices = -(-geo.k // spec.bk)
-        if not (spec.scaled or spec.c_rows or spec.promote) and long_k_splits(tiles, slices, sms) > 1:
-            return long_k_splits(tiles, slices, sms)
-        return _wgmma_splits(tiles, slices, extra, sms)
+        long_k = _spec_long_k_splits(spec, geo, sms)
+        return long_k if long_k > 1 else _wgmma_splits(tiles, -(-geo.k // spec.bk), extra, sms)
     if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
         return 1
     return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))
