@@ -522,9 +522,16 @@ def _emulate_gemm(launch, mem):
         bmul = [int(args.pop(0)), int(args.pop(0))]
         conv_args = [int(args.pop(0)) for _ in range(11)] if spec.a_gather or spec.b_gather else None
         rows_args = [int(args.pop(0)) for _ in range(6)] if spec.c_rows else None
-        chunk = int(args.pop(0)) if spec.finish or spec.split else k
-        if spec.finish:
-            assert 0 < chunk < k and launch.pointers[-1].startswith("scratch")   # the K chunk
+        ranges = [(0, k)]
+        if spec.split:   # K chunks, the last one shorter
+            chunk = int(args.pop(0))
+            ranges = [(k0, min(k, k0 + chunk)) for k0 in range(0, k, chunk)]
+        if spec.finish:   # a split tile's ranges (split p of S steps: steps p * S / splits ..); a whole
+            whole, splits = int(args.pop(0)), int(args.pop(0))   # tile's sum is the same products
+            assert splits > 1 and launch.pointers[-1].startswith("scratch")
+            steps = -(-k // spec.bk)
+            ranges = [(p * steps // splits * spec.bk, min(k, (p + 1) * steps // splits * spec.bk))
+                      for p in range(splits)]
     if maps and spec.a_gather:   # every split's walk from its own start: together the whole K
         b_map, width = maps[1], 2 if spec.a_dtype != "float32" else 4
         assert b_map.dims[0] <= k and spec.b_major == "k"
@@ -532,9 +539,9 @@ def _emulate_gemm(launch, mem):
         a, b = [], []
         for bt in range(batch):
             parts = [_im2col_operands(spec, maps[0], mem[launch.pointers[1]], width, b_mat, m, k, conv_args, k0, bt)
-                     for k0 in range(0, k, chunk)]
-            a.append(np.concatenate([p[0][:, :min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], 1))
-            b.append(np.concatenate([p[1][:min(chunk, k - k0)] for p, k0 in zip(parts, range(0, k, chunk))], 0))
+                     for k0, _ in ranges]
+            a.append(np.concatenate([p[0][:, :k1 - k0] for p, (k0, k1) in zip(parts, ranges)], 1))
+            b.append(np.concatenate([p[1][:k1 - k0] for p, (k0, k1) in zip(parts, ranges)], 0))
         a, b = np.stack(a), np.stack(b)
     elif maps:
         ops = []
@@ -562,9 +569,8 @@ def _emulate_gemm(launch, mem):
     if spec.split:   # float32 partials of K chunks, [split][batch][M][N] (the reduce launch sums them)
         assert (c_sm, c_sn, c_sb) == (n, 1, m * n) and not (spec.bias or spec.residual or spec.epilogue)
         out = mem[launch.pointers[0]]
-        for part, k0 in enumerate(range(0, k, chunk)):
-            out[part * batch * m * n:(part + 1) * batch * m * n] = np.matmul(
-                a[..., k0:k0 + chunk], b[:, k0:k0 + chunk]).ravel()
+        for part, (k0, k1) in enumerate(ranges):
+            out[part * batch * m * n:(part + 1) * batch * m * n] = np.matmul(a[..., k0:k1], b[:, k0:k1]).ravel()
         return
     y = np.matmul(a, b)
     if spec.residual:

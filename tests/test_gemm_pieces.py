@@ -32,11 +32,15 @@ def _sass(cubin: bytes, tmp_path) -> str:
 
 def test_tile_scheduler_compiles_alone():
     source = _render('''{% include "common/tile_scheduler.cuh" %}
-extern "C" __global__ void walk(int* out, int tiles_m, int tiles_n, int batch, int K, int k_chunk) {
-  int plane, tm, tn, part, k0, slices;
-  nvdnn::tile_coords<8>(blockIdx.x, tiles_m, tiles_n, plane, tm, tn);
-  nvdnn::split_k_range(plane, part, k0, slices, batch, K, k_chunk, 64, 2);
-  out[blockIdx.x] = ((plane * 131 + tm) * 131 + tn) * 7 + part + k0 + slices;
+extern "C" __global__ void walk(int* out, int tiles_m, int tiles_n, int whole, int splits, int steps, int tiles) {
+  nvdnn::TileWalk walk(whole, splits, steps, tiles, blockIdx.x, gridDim.x);
+  int sum = walk.rest();
+  for (nvdnn::TilePiece p; walk.next_piece(p);) {
+    int plane, tm, tn;
+    nvdnn::tile_coords<8>(p.tile, tiles_m, tiles_n, plane, tm, tn);
+    sum += ((plane * 131 + tm) * 131 + tn) * 7 + p.step0 + p.steps + p.part;
+  }
+  out[blockIdx.x] = sum;
 }''')
     for arch in ("sm_80", "sm_90"):
         assert _compile(source, arch)

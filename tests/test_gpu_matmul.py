@@ -76,7 +76,7 @@ def _cases():
     return out + SPLIT_CASES
 
 
-# split-K finished inside the Hopper GEMM (the last split of a tile sums the partials): odd M, N,
+# split-K and stream-K finished inside the Hopper GEMM (the last range of a tile sums the partials): odd M, N,
 # prime K (repacked), K past a multiple of 64 (the last slice zero-filled), batches, every epilogue
 # (``splitk`` only names them: -k splitk); 9 rows and more: 8 or fewer run the skinny kernel
 # (heuristic.skinny_rows; its own cases: test_gpu_matmul_skinny.py)
@@ -102,6 +102,16 @@ SPLIT_CASES = [
          epilogue="bias_gelu"),
     dict(splitk=1, dtype="float32", precision="exact", m=9, n=4099, k=4096, a_major="k", b_major="k",
          epilogue="residual_silu"),
+    # the last partial wave split (132 SMs): whole waves first (132 to 396 tiles), 128 x 192
+    # tiles, MN-major operands, a prime K, fp8 drained in pairs, tf32
+    dict(splitk=1, dtype="bfloat16", m=3071, n=767, k=4104, a_major="k", b_major="k", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="float16", m=2047, n=2049, k=3001, a_major="k", b_major="k", epilogue="residual_silu"),
+    dict(splitk=1, dtype="bfloat16", m=4093, n=1537, k=3001, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
+    dict(splitk=1, dtype="bfloat16", m=1024, n=1032, k=8200, a_major="m", b_major="n", epilogue="rowbias_relu"),
+    dict(splitk=1, dtype="float8_e4m3", m=3071, n=767, k=4104, a_major="k", b_major="k", epilogue="rowbias_relu",
+         out="bfloat16", amax=True),
+    dict(splitk=1, dtype="float32", precision="tf32", m=2999, n=1537, k=2056, a_major="k", b_major="k",
+         epilogue="bias_gelu"),
 ]
 
 CASES = _cases()

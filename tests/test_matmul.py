@@ -17,6 +17,7 @@ import nvdnn
 from nvdnn import reference as ref
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import matmul as mm
+from nvdnn.kernels.matmul import heuristic
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.kernels.repack import RepackSpec
 from nvdnn.spec import KernelSpec
@@ -188,11 +189,37 @@ def test_split_k_for_skinny_shapes():
     assert chunk % part.spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
 
 
-def _finish_splits(launch, plan, m, n, batch=1):
-    """K splits of a one-launch split plan (its scratch: one float32 tile a split and output tile)."""
-    spec = launch.spec
-    tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
-    return plan.scratch[-1] // (tiles * spec.bm * spec.bn * 4)
+def _walk(launch) -> tuple:
+    """(whole tiles, splits of the others) of a wgmma launch that finishes its own partials: the
+    two ints after the two maps, ten sizes and strides and two batch multipliers."""
+    return int(launch.args[14]), int(launch.args[15])
+
+
+@pytest.mark.parametrize("tiles, slices, sms", [(144, 64, 132), (192, 48, 132), (6, 12, 132), (86, 64, 132),
+                                                (600, 12, 132), (1, 300, 132), (8, 32, 132), (133, 7, 132)])
+def test_split_walk_covers_every_step_once(tiles, slices, sms):
+    """The heuristic's walk through a mirror of common/tile_scheduler.cuh's TileWalk arithmetic:
+    every K step of every tile in exactly one piece, a split tile's ranges in the planes the
+    plan allocates, one per split (its arrivals)."""
+    whole, splits = heuristic.tail_split(tiles, slices, 1, 2.0, sms)
+    rest = tiles - whole
+    assert 1 <= splits <= slices
+    if splits > 1:   # the whole waves whole, the last one's tiles split over the SMs
+        assert whole % sms == 0 and (rest * splits <= sms if whole else rest < sms)
+    seen, planes = {}, set()
+    for block in range(sms):
+        for u in range(block, whole + (rest * splits if splits > 1 else 0), sms):
+            if u < whole:
+                tile, s0, n = u, 0, slices
+            else:
+                part, t = divmod(u - whole, rest)
+                tile, s0, n = whole + t, part * slices // splits, (part + 1) * slices // splits - part * slices // splits
+                planes.add(part * rest + t)
+            for s in range(s0, s0 + n):
+                assert (tile, s) not in seen
+                seen[tile, s] = u
+    assert len(seen) == tiles * slices
+    assert planes == (set(range(rest * splits)) if splits > 1 else set())
 
 
 def test_hopper_split_k_finishes_in_the_gemm_launch():
@@ -206,9 +233,8 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
     assert spec.kernel == "wgmma" and spec.finish and not spec.split and spec.epilogue == (("gelu", ""),)
     assert "/splitk->bf16/" in spec.uri and spec.cluster == 1
     assert gemm.pointers == ("y", "a", "b", "bias", "scratch0")
-    splits = _finish_splits(gemm, plan, 64, 64)
-    chunk = int(gemm.args[14])   # after the two maps, ten sizes and strides, two batch multipliers
-    assert splits > 1 and chunk % spec.bk == 0 and (splits - 1) * chunk < 16384 <= splits * chunk
+    whole, splits = _walk(gemm)
+    assert whole == 0 and splits > 1 and splits * 4 <= 16384 // spec.bk and plan.scratch == (splits * 64 * 128 * 4,)
     assert gemm.grid[0] <= 132
     # fp8 splits too (the scales are the epilogue's), its amax zeroed first (8 rows: past the
     # skinny kernel's fp8 rows, heuristic.skinny_rows)
@@ -219,8 +245,9 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
     assert gemm.pointers[-1] == "scratch0" and "amax" in gemm.pointers
 
 
-# (M, N, K) -> (tile bm x bn, splits) on 132 SMs: tiles x splits in whole waves, >= 4 K slices a split
-# (9 rows: 8 or fewer run the skinny kernel, test_matmul_skinny.py)
+# (M, N, K) -> (tile bm x bn, splits) on 132 SMs (9 rows: 8 or fewer run the skinny kernel,
+# test_matmul_skinny.py): tiles x splits in waves of the SMs, >= 4 K slices a range; 64 x 256
+# tiles have no finish variant (specs.finish_fits), 501 tiles stay whole
 DECODE_PLANS = {(9, 11008, 4096): ((64, 128), 3), (16, 28672, 4096): ((64, 256), 1),
                 (64, 10240, 8192): ((64, 128), 3), (9, 128256, 4096): ((64, 256), 1),
                 (32, 1000, 2048): ((64, 128), 8), (256, 1000, 2048): ((64, 64), 2),
@@ -235,11 +262,22 @@ def test_split_k_fills_the_sms_on_decode_shapes(shape, dtype):
     (gemm,) = plan.launches
     tile, splits = DECODE_PLANS[shape]
     assert (gemm.spec.bm, gemm.spec.bn) == tile
-    got = _finish_splits(gemm, plan, m, n) if gemm.spec.finish else 1
-    assert got == splits and gemm.spec.finish == (splits > 1)
+    assert gemm.spec.finish == (splits > 1) and (_walk(gemm) if gemm.spec.finish else (0, 1)) == (0, splits)
     assert -(-k // gemm.spec.bk) // splits >= 4
     units = -(-m // tile[0]) * -(-n // tile[1]) * splits
     assert gemm.grid[0] == min(132, units)
+
+
+def test_the_last_partial_wave_is_split_over_the_sms():
+    """192 tiles of 128 x 128 on 132 SMs: one wave whole, the last 60 tiles cut into K ranges
+    (in the same launch, their partials in scratch) rather than a second wave of 60."""
+    plan = mm.plan_matmul(op("bfloat16", (3071, 4104)), weight("bfloat16", 4104, 1537), arch="sm_90", sms=132)
+    (gemm,) = plan.launches
+    whole, splits = _walk(gemm)
+    tiles = 24 * 13
+    assert (gemm.spec.bm, gemm.spec.bn) == (128, 128) and gemm.spec.finish
+    assert whole == 264 and 1 < splits <= 132 // (tiles - whole) and gemm.grid[0] == 132
+    assert plan.scratch == (splits * (tiles - whole) * 128 * 128 * 4,)
 
 
 def test_gpu_split_cases_plan_one_launch_split_k():
@@ -296,7 +334,7 @@ def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, prec
     copies = [l.pointers[0] for l in repacks]
     assert len(copies) == 2 and gemm.pointers[1:3] == tuple(copies)
     assert gemm.pointers[-1] == f"scratch{len(copies)}" and len(plan.scratch) == len(copies) + 1
-    assert _finish_splits(gemm, plan, 9, 4099) > 1
+    assert _walk(gemm)[1] > 1
     assert len(mm.plan_matmul(op("bfloat16", (4096, 4096)), weight("bfloat16", 4096, 4096),
                               arch="sm_80").launches) == 1
 

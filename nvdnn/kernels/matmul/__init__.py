@@ -16,9 +16,10 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   GEMM, kernels/conv.py). An operand it cannot read as it
   lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as
   3xTF32 (operands split into tf32 hi / lo planes, one tf32 GEMM over 3K, sums drained into
-  float32). Tiles by a wave model (``heuristic._wgmma_tile``); split-K (``heuristic.split_count``:
-  tiles x splits in whole waves over the SMs) walks the tiles of every K chunk, and the last
-  split of a tile to finish sums the partials and applies the epilogue (common/grid_finish.cuh).
+  float32). Tiles by a wave model (``heuristic._wgmma_tile``); split-K (``heuristic.wgmma_walk``):
+  the whole waves of tiles whole, the last partial wave's tiles (or, on fewer tiles than SMs,
+  all) cut into K ranges walked split by split, and the last range of a tile to finish sums
+  the partials and applies the epilogue (common/grid_finish.cuh).
 - ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32) fed by ldmatrix from a
   cp.async multi-stage pipeline; any unit-stride layout of A and B. Also split-K: fp32 partials
   in scratch and a ``MatmulReduceSpec`` launch that sums them and applies the epilogue.

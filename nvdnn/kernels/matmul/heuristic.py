@@ -2,23 +2,24 @@
 K splits a plan takes (for the wgmma kernel a wave model of tiles x splits over the SMs)."""
 from __future__ import annotations
 
-from .specs import DEFAULT_SMS, MatmulSpec, _size
+from .specs import DEFAULT_SMS, MatmulSpec, _size, finish_fits
 
 # wgmma tiles the heuristic weighs: (bm, bn, stages, consumer warpgroups) -> throughput of one
 # block relative to 128 x 256 (H200, bf16, the tile sweep of session 7: 128 x 128 ran at about
 # 0.93 of it, one warpgroup of 64 x 128 at 0.8, 64 x 64 at 0.55; for 64 columns two warpgroups
 # of 256 or 128 rows ran 1.11x the 64 x 64 tile on ResNet-50's N = 64 convs, H100, session 11)
-WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 128, 5, 2): 0.93, (64, 128, 6, 1): 0.8,
+WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 192, 5, 2): 0.97, (128, 128, 5, 2): 0.93,
+                   (64, 128, 6, 1): 0.8,
                    (256, 64, 5, 2): 0.61, (128, 64, 6, 2): 0.6, (64, 64, 6, 1): 0.55}
 
 
 def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
-    """The tile of least modelled time: whole waves of tiles over the SMs (the last partial
-    wave costs a full one) times a tile's work over its relative throughput; a long K split
-    over the SMs (``long_k_splits``) counts its units' waves instead. Up to 64 rows of A
-    (decode: a weight streamed from memory; a weight gradient's few output channels) take one
-    warpgroup of 64 rows, 128 columns while those tiles fill one wave, else 256 (fewer, longer
-    streams)."""
+    """The tile of least modelled time: a tile's work over its relative throughput times the
+    waves of the walk ``wgmma_walk`` would plan (whole tiles, the last wave's split over the
+    SMs where that models faster; a long K split over the SMs counts its units' waves). Up to 64
+    rows of A (decode: a weight streamed from memory; a weight gradient's few output channels)
+    take one warpgroup of 64 rows, 128 columns while those tiles fill one wave, else 256
+    (fewer, longer streams)."""
     if geo.m <= 64:
         return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
     slices = -(-geo.k // bk)
@@ -27,7 +28,12 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
         bm, bn = tile[0], tile[1]
         tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
         splits = long_k_splits(tiles, slices, sms)
-        return -(-tiles * splits // sms) * (-(-slices // splits) + SPLIT_FIXED) * bm * bn / WGMMA_HEURISTIC[tile]
+        if splits > 1:
+            return -(-tiles * splits // sms) * (-(-slices // splits) + SPLIT_FIXED) * bm * bn / WGMMA_HEURISTIC[tile]
+        whole, splits = tail_split(tiles, slices, 1, _partial_slices(bm, bn, geo.m), sms) if finish_fits(
+            bm, bn, tile[3]) else (tiles, 1)
+        return walk_cost(tiles, slices, 1, _partial_slices(bm, bn, geo.m), sms, whole, splits) * bm * bn \
+            / WGMMA_HEURISTIC[tile]
     return min(WGMMA_HEURISTIC, key=cost)
 
 
@@ -60,10 +66,10 @@ def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
 
 SPLIT_MIN_K = 2048
 TARGET_CTAS = 2 * DEFAULT_SMS
-# the wgmma split model (``_wgmma_splits``): K slices a split keeps at least (its pipeline fill
-# hidden behind them), slices' worth of time a work unit spends outside its K loop (the fill, the
-# epilogue), the gain a split must model, and the tile counts it is weighed at (two waves and
-# more lose a third or less to the last one)
+# The wgmma walk's model (``walk_cost``, in K slices' time): slices a K range keeps at least (its
+# pipeline fill hidden behind them), slices' worth of time a piece of work spends outside its K
+# loop (the fill, the epilogue), the gain a split must model over whole tiles, and the most
+# ranges a tile is cut into (the last of them reads every partial).
 SPLIT_MIN_SLICES = 4
 SPLIT_FIXED = 3
 SPLIT_GAIN = 0.9
@@ -77,19 +83,41 @@ SPLIT_MAX = 32
 LONG_K_SLICES = 384
 
 
-def _wgmma_splits(tiles: int, slices: int, extra: float, sms: int) -> int:
-    """K splits of a wgmma plan: the fewest of least modelled time, whole waves of tiles x
-    splits work units over the SMs times a unit's slices (its share of K, the fixed costs, and
-    with a split ``extra``: its partial tile written and, on average, one read back); 1 unless
-    that beats the unsplit time by SPLIT_GAIN. Decode 1 x 11008 x 4096 on 64 x 128 tiles: 86
-    units in one wave of 67 slices' time, 3 splits 258 units in two waves of 25."""
-    if tiles > 2 * sms:
-        return 1
+def _partial_slices(bm: int, bn: int, m: int) -> float:
+    """A float32 partial tile's bytes (rows past M are not written) over a K slice's operand
+    bytes (128 bytes of K a row of A and of B): its write, or one read, in slices' time."""
+    return min(bm, m) * bn * 4 / ((bm + bn) * 128)
 
-    def cost(s):
-        return -(-tiles * s // sms) * (-(-slices // s) + SPLIT_FIXED + (extra if s > 1 else 0))
-    best = min(range(1, max(1, min(SPLIT_MAX, slices // SPLIT_MIN_SLICES)) + 1), key=lambda s: (cost(s), s))
-    return best if cost(best) <= SPLIT_GAIN * cost(1) else 1
+
+def walk_cost(tiles: int, slices: int, per_step: int, partial: float, sms: int, whole: int, splits: int) -> float:
+    """Modelled time of a wgmma walk (common/tile_scheduler.cuh's TileWalk), in slices: the
+    waves of ``whole`` tiles, then the waves of the rest's ``splits`` K ranges a tile (a range's
+    steps, the fixed costs, and split: its partial written and the tile's last range reading
+    every partial)."""
+    steps = -(-slices // per_step)
+    rest = tiles - whole
+    tail = -(-rest * splits // sms) * (-(-steps // splits) * per_step + SPLIT_FIXED) if rest else 0
+    return -(-whole // sms) * (slices + SPLIT_FIXED) + tail + (partial * (1 + splits) if splits > 1 else 0)
+
+
+def tail_split(tiles: int, slices: int, per_step: int, partial: float, sms: int) -> tuple[int, int]:
+    """(whole tiles, splits) of least ``walk_cost``: the whole waves of tiles stay whole and
+    the last, partial wave's tiles are cut into K ranges over the SMs (split-K; on fewer tiles
+    than SMs, all of them), each at least SPLIT_MIN_SLICES slices, a tile into at most
+    SPLIT_MAX; (tiles, 1), every tile whole, unless that models SPLIT_GAIN of it. Decode
+    9 x 11008 x 4096 on 64 x 128 tiles: 86 tiles of 64 slices in one wave of 67 slices' time;
+    split in 3, 258 ranges in two waves of 25."""
+    whole = tiles // sms * sms
+    rest, steps = tiles - whole, -(-slices // per_step)
+    if not rest:
+        return tiles, 1
+    most = min(sms // rest, steps * per_step // SPLIT_MIN_SLICES, SPLIT_MAX, steps) if whole else \
+        min(SPLIT_MAX, steps * per_step // SPLIT_MIN_SLICES, steps)
+    best = min(range(1, max(1, most) + 1), key=lambda s: (walk_cost(tiles, slices, per_step, partial, sms, whole, s), s))
+    if best == 1 or walk_cost(tiles, slices, per_step, partial, sms, whole, best) > SPLIT_GAIN * walk_cost(
+            tiles, slices, per_step, partial, sms, tiles, 1):
+        return tiles, 1
+    return whole, best
 
 
 def long_k_splits(tiles: int, slices: int, sms: int) -> int:
@@ -108,27 +136,39 @@ def _spec_long_k_splits(spec: MatmulSpec, geo, sms: int) -> int:
     return long_k_splits(-(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch, -(-geo.k // spec.bk), sms)
 
 
-def sums_in_second_launch(spec: MatmulSpec, geo, splits: int, sms: int = DEFAULT_SMS) -> bool:
+def sums_in_second_launch(spec: MatmulSpec, geo, sms: int = DEFAULT_SMS) -> bool:
     """Whether a wgmma plan's split partials are summed by a second launch (a long K over few
     tiles, ``long_k_splits``) rather than by the last split of each tile."""
-    return splits > 1 and _spec_long_k_splits(spec, geo, sms) > 1
+    return _spec_long_k_splits(spec, geo, sms) > 1
+
+
+def wgmma_walk(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> tuple[int, int]:
+    """(whole tiles, splits of the others) of a wgmma plan's walk on ``spec``'s tiles (tile
+    pairs for a 2-block cluster, which takes no split unless asked): ``split_k`` asked for (at
+    most one a K step) or a long K's ``long_k_splits`` split every tile; else ``tail_split``
+    where the tile has a finish variant (``specs.finish_fits``). (tiles, 1): every tile whole."""
+    per_step = 2 if spec.promote else 1
+    steps = -(-(-(-geo.k // spec.bk)) // per_step)
+    tiles = -(-geo.m // (spec.bm * spec.cluster)) * -(-geo.n // spec.bn) * geo.batch
+    if split_k is not None:
+        return 0, max(1, min(int(split_k), steps))
+    if spec.cluster > 1:
+        return tiles, 1
+    splits = _spec_long_k_splits(spec, geo, sms)
+    if splits > 1:
+        return 0, splits
+    if not finish_fits(spec.bm, spec.bn, spec.wm):
+        return tiles, 1
+    return tail_split(tiles, steps * per_step, per_step, _partial_slices(spec.bm, spec.bn, geo.m), sms)
 
 
 def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
-    """K ranges for split-K: asked for (at most one a K slice), or the heuristic's: on the
-    persistent wgmma grid the wave model of ``_wgmma_splits`` (none for a 2-block cluster
-    tile, a candidate of many waves); elsewhere when the output tiles fill less than half the
-    GPU and K is long (each range keeps at least 512 of K)."""
+    """K ranges of the mma and SIMT kernels (the wgmma kernel's walk: ``wgmma_walk``): asked
+    for (at most one a K slice), or when the output tiles fill less than half the GPU and K is
+    long (each range keeps at least 512 of K)."""
     if split_k is not None:
         return max(1, min(int(split_k), -(-geo.k // spec.bk)))
     tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
-    if spec.kernel == "wgmma" and spec.cluster > 1:  # a tile asked for with its cluster: many waves, no split
-        return 1
-    if spec.kernel == "wgmma":
-        # a partial tile's bytes (rows past M are not written) over a slice's (128 bytes of K a row)
-        extra = 2 * min(spec.bm, geo.m) * spec.bn * 4 / ((spec.bm + spec.bn) * 128)
-        long_k = _spec_long_k_splits(spec, geo, sms)
-        return long_k if long_k > 1 else _wgmma_splits(tiles, -(-geo.k // spec.bk), extra, sms)
     if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
         return 1
     return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))

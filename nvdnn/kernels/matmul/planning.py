@@ -15,7 +15,7 @@ from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
-from .heuristic import _heuristic_tile, split_count, sums_in_second_launch
+from .heuristic import _heuristic_tile, split_count, sums_in_second_launch, wgmma_walk
 from .skinny import SkinnySpec, plan_skinny
 from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
@@ -380,72 +380,99 @@ def _build(spec: MatmulSpec, req: Request, geo: Geometry, a_str, b_str, out_stri
     if len(out_strides) > 3 and batch > 1:  # folded batch dims of y: the innermost batch stride
         c_sb = [s for size, s in zip(geo.out_shape[:-2], out_strides[:-2]) if size > 1][-1]
     epi_roles = _epilogue_roles(spec)
-    splits = split_count(spec, geo, split_k, sms)
     launches = []
     if req.amax:
         launches.append(Launch(MatmulZeroSpec(), (1, 1, 1), (32, 1, 1), 0, ("amax",), (np.int32(1),)))
     geometry_args = (np.int32(m), np.int32(n), np.int32(k), np.int32(batch),
                      *_ints(a_sm, a_sk, geo.a[2], b_sk, b_sn, geo.b[2]))
     epi_args = epilogue_args(spec, (c_sm, c_sn, c_sb), r_strides, *scalars, params)
-    if splits > 1:  # chunks of whole K steps (the wgmma kernel's are slice pairs when promoting)
-        step = spec.bk * (2 if spec.promote else 1)
-        chunk = -(-(-(-k // splits)) // step) * step
-        splits = -(-k // chunk)
-    out_tiles = -(-m // spec.bm) * -(-n // spec.bn) * batch
-    fin = _finish_spec(spec, out_tiles) if splits > 1 and not sums_in_second_launch(spec, geo, splits, sms) else None
-    if fin is None and spec.c_rows:   # image rows: no second launch to write them
-        splits = 1
-    if fin is not None:  # one launch: each split's partial tile to scratch, the last split of a tile finishes it
-        maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, batch * splits, gathers, rows)
-        launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
-                               + ("scratch0",), maps + geometry_args + bmul + (np.int32(chunk),) + epi_args))
-        return Plan(tuple(launches), scratch=(splits * out_tiles * spec.bm * spec.bn * 4,))
-    if splits > 1 and not req.scaled:  # fp8: past the counters, no split (the partials carry no descale)
-        part = dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
-                                   amax=False, scaled=False, split=True, norm="")
-        part_args = (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)
-        if spec.kernel == "wgmma":
-            maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch * splits, gathers)
-            part_args = maps + geometry_args + bmul + part_args
-        else:
-            grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
-            part_args = geometry_args + part_args
-        launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"), part_args))
-        reduce = MatmulReduceSpec(out_dtype=req.out_dtype, bias=req.bias, bias_dtype=req.bias_dtype,
-                                  residual=req.residual, epilogue=req.epilogue, amax=req.amax, scaled=req.scaled,
-                                  norm=req.norm)
-        total = batch * m * n
-        rgrid = (min(-(-total // reduce.block), 8 * DEFAULT_SMS), 1, 1)
-        launches.append(Launch(reduce, rgrid, (reduce.block, 1, 1), 0, ("y", "scratch0") + epi_roles,
-                               (np.int32(m), np.int32(n), np.int32(batch), np.int32(splits)) + epi_args))
-        return Plan(tuple(launches), scratch=(splits * batch * m * n * 4,))
-    pointers = ("y", "a", "b") + epi_roles
     if spec.kernel == "wgmma":
-        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, batch, gathers, rows)
-        args = maps + geometry_args + bmul + epi_args
-        launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args))
-        return Plan(tuple(launches))
+        return _build_wgmma(spec, req, geo, a_str, b_str, sms, split_k, gathers, rows, launches, geometry_args,
+                            epi_roles, epi_args)
+    chunk, splits = _k_chunks(k, split_count(spec, geo, split_k, sms), spec.bk)
+    if splits > 1 and not req.scaled:
+        part = _split_spec(spec)
+        grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch * splits))
+        launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"),
+                               geometry_args + (np.int32(chunk),) + _ints(n, 1, m * n) + (np.float32(1.0),)))
+        return _with_reduce(launches, req, geo, splits, epi_roles, epi_args)
     grid = _checked_grid((-(-n // spec.bn), -(-m // spec.bm), batch))
-    launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, pointers, geometry_args + epi_args))
+    launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.launch_smem, ("y", "a", "b") + epi_roles,
+                           geometry_args + epi_args))
     return Plan(tuple(launches))
 
 
-def _finish_spec(spec: MatmulSpec, out_tiles: int) -> MatmulSpec | None:
-    """The wgmma kernel finishing its own split-K (None: the two-launch path): one grid counter
-    an output tile (common/grid_finish.cuh), and a variant that holds its registers."""
-    if spec.kernel != "wgmma" or out_tiles > GRID_COUNTERS:
-        return None
+def _build_wgmma(spec, req, geo, a_str, b_str, sms, split_k, gathers, rows, launches, geometry_args, epi_roles,
+                 epi_args) -> Plan:
+    """The wgmma launch of ``heuristic.wgmma_walk``'s walk: whole tiles; split-K (of every tile,
+    or of the last wave's) finished in the launch, its float32 partial tiles in scratch; or, for
+    a long K over few tiles (or where no finish variant serves), split-K partials summed by a
+    second launch."""
+    whole, splits = wgmma_walk(spec, geo, split_k, sms)
+    fin = _finish_spec(spec) if splits > 1 and not sums_in_second_launch(spec, geo, sms) else None
+    if fin is not None:   # one launch, one block a tile (no cluster): each range writes its partial,
+        whole, splits = wgmma_walk(fin, geo, split_k, sms)   # a tile's last range sums them
+        rest = -(-geo.m // fin.bm) * -(-geo.n // fin.bn) * geo.batch - whole
+        if splits > 1 and rest <= GRID_COUNTERS:
+            maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, whole + rest * splits, gathers, rows)
+            launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
+                                   + ("scratch0",), maps + geometry_args + bmul + _ints(whole, splits) + epi_args))
+            return Plan(tuple(launches), scratch=(splits * rest * spec.bm * spec.bn * 4,))
+        whole, splits = wgmma_walk(spec, geo, split_k, sms)
+    tiles = -(-geo.m // (spec.bm * spec.cluster)) * -(-geo.n // spec.bn) * geo.batch
+    if splits > 1 and not whole and not spec.c_rows and not req.scaled:  # (fp8: the partials carry no descale)
+        part = _split_spec(spec)
+        chunk, splits = _k_chunks(geo.k, splits, spec.bk * (2 if spec.promote else 1))
+        maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, tiles * splits, gathers)
+        launches.append(Launch(part, grid, (spec.threads, 1, 1), part.launch_smem, ("scratch0", "a", "b"),
+                               maps + geometry_args + bmul + (np.int32(chunk),) + _ints(geo.n, 1, geo.m * geo.n)
+                               + (np.float32(1.0),)))
+        return _with_reduce(launches, req, geo, splits, epi_roles, epi_args)
+    maps, grid, bmul = _wgmma_launch(spec, geo, a_str, b_str, sms, tiles, gathers, rows)
+    launches.append(Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, ("y", "a", "b") + epi_roles,
+                           maps + geometry_args + bmul + epi_args))
+    return Plan(tuple(launches))
+
+
+def _k_chunks(k: int, splits: int, step: int) -> tuple[int, int]:
+    """(chunk, splits): ``splits`` K ranges of whole ``step``s, the last one shorter."""
+    chunk = -(-(-(-k // splits)) // step) * step
+    return chunk, -(-k // chunk)
+
+
+def _split_spec(spec: MatmulSpec) -> MatmulSpec:
+    """The kernel writing one K range's float32 partial sums, no epilogue."""
+    return dataclasses.replace(spec, out_dtype="float32", bias="", bias_dtype="", residual="", epilogue=(),
+                               amax=False, scaled=False, split=True, norm="")
+
+
+def _with_reduce(launches: list, req, geo: Geometry, splits: int, epi_roles, epi_args) -> Plan:
+    """``launches`` and the second launch summing their ``splits`` partial planes with the epilogue."""
+    reduce = MatmulReduceSpec(out_dtype=req.out_dtype, bias=req.bias, bias_dtype=req.bias_dtype,
+                              residual=req.residual, epilogue=req.epilogue, amax=req.amax, scaled=req.scaled,
+                              norm=req.norm)
+    total = geo.batch * geo.m * geo.n
+    rgrid = (min(-(-total // reduce.block), 8 * DEFAULT_SMS), 1, 1)
+    launches.append(Launch(reduce, rgrid, (reduce.block, 1, 1), 0, ("y", "scratch0") + epi_roles,
+                           (np.int32(geo.m), np.int32(geo.n), np.int32(geo.batch), np.int32(splits)) + epi_args))
+    return Plan(tuple(launches), scratch=(splits * total * 4,))
+
+
+def _finish_spec(spec: MatmulSpec) -> MatmulSpec | None:
+    """The wgmma kernel finishing its own split-K (None: no such variant), one grid counter a
+    split tile (common/grid_finish.cuh)."""
     try:
         return dataclasses.replace(spec, finish=True, cluster=1)
     except ValidationError:
         return None
 
 
-def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int, gathers=(None, None),
+def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, work: int, gathers=(None, None),
                   rows=None) -> tuple:
-    """The wgmma kernel's tensor maps, its persistent grid over ``planes`` (batch, or batch x
-    splits) of tiles, and the arguments after the geometry's: the batch multipliers of its A
-    and B coordinates (0: broadcast), an implicit A's or B's conv geometry, y's image rows."""
+    """The wgmma kernel's tensor maps, its persistent grid over ``work`` items (tiles, tile
+    pairs of a cluster, or whole tiles + split K ranges), and the arguments after the
+    geometry's: the batch multipliers of its A and B coordinates (0: broadcast), an implicit A's
+    or B's conv geometry, y's image rows."""
     (a_sm, a_sk), (b_sk, b_sn) = a_str, b_str
     m, n, k, batch = geo.m, geo.n, geo.k, geo.batch
     gather, b_gather = gathers
@@ -457,8 +484,7 @@ def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, planes: int, gath
                           geo.b[2], batch, spec.bk, spec.bn // spec.cluster))
     maps = (a_map, b_map)
     c = spec.cluster
-    tiles = -(-m // (spec.bm * c)) * -(-n // spec.bn) * planes   # tile groups of c blocks
-    grid = (c * max(1, min(sms // c, tiles)), 1, 1)
+    grid = (c * max(1, min(sms // c, work)), 1, 1)
     return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + (
         gather.args(spec.bk) if gather else b_gather.args(chunk) if b_gather else ()) + (
         (np.int32(rows[0]), np.int32(rows[1]), *(np.int64(v) for v in rows[2:])) if rows else ())

@@ -24,6 +24,7 @@ BIAS = ("", "row", "col")               # row: one value per output row m; col: 
 # norm: "" or the statistics' data type, "+gamma" / "+beta" when the step has them
 NORMS = ("",) + tuple(d + g + b for d in EPI_DTYPES for g in ("", "+gamma") for b in ("", "+beta"))
 ACCUMULATORS = {False: 128, True: 192}  # accumulator registers a wgmma consumer thread may hold
+FINISH_MAX_ACC = 96  # accumulators a thread of a split-K finish holds (sm_90a: 128 spilled)
 PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloat16": ("exact",),
                      "fp8": ("exact", "fast")}  # plan_matmul's precision, by input type
 A_MAJORS, B_MAJORS = ("k", "m", "any"), ("k", "n", "any")
@@ -50,6 +51,12 @@ _PTX = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3": "e4m3", "float8_e5m
 
 def _size(dtype: str) -> int:
     return dtypes.BY_NAME[dtype].itemsize
+
+
+def finish_fits(bm: int, bn: int, wm: int) -> bool:
+    """Whether a wgmma tile's finish variant (split-K summed in the launch) keeps its
+    accumulators and the walk's state in registers."""
+    return bm // wm // 64 * bn // 2 <= FINISH_MAX_ACC
 
 
 def _short(dtype: str) -> str:
@@ -289,9 +296,10 @@ class MatmulSpec(KernelSpec):
         if self.a_gather and (self.a_major != "k" or self.promote):
             raise ValidationError("a_gather: an im2col A is K-major (channels contiguous), no promoting",
                                   arg="a_gather")
-        if self.finish and self.residual and self.bn > 192:  # sm_90a, 168 registers: 28 bytes spilled
-            raise ValidationError("finish: a split-K finish with a residual holds too many registers at bn "
-                                  f"{self.bn} (at most 192)", arg="finish")
+        if self.finish and not finish_fits(self.bm, self.bn, self.wm):
+            raise ValidationError(f"finish: a split-K finish holds too many registers on a {self.bm} x "
+                                  f"{self.bn} tile of {self.wm} warpgroups (at most {FINISH_MAX_ACC} accumulators "
+                                  "a thread)", arg="finish")
         # float32 accumulators a consumer thread holds: the tensor core's, and as many again to
         # drain them into when promoting (the registers left cap both)
         held = (self.bm // self.wm // 64) * self.bn // 2 * (2 if self.promote else 1)
@@ -407,7 +415,8 @@ class MatmulSpec(KernelSpec):
             + (["int a_bmul", "int b_bmul"] if self.kernel == "wgmma" else [])
             + [f"int {name}" for name in (GATHER_PARAMS if self.a_gather or self.b_gather else ())]
             + list(ROW_PARAMS if self.c_rows else ())
-            + (["int k_chunk"] if self.split or self.finish else []) + _epilogue_scalars(self),
+            + (["int whole_tiles", "int splits"] if self.finish else ["int k_chunk"] if self.split else [])
+            + _epilogue_scalars(self),
         })
         return ctx
 
