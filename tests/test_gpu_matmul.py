@@ -102,15 +102,15 @@ SPLIT_CASES = [
          epilogue="bias_gelu"),
     dict(splitk=1, dtype="float32", precision="exact", m=9, n=4099, k=4096, a_major="k", b_major="k",
          epilogue="residual_silu"),
-    # the last partial wave split (132 SMs): whole waves first (132 to 396 tiles), 128 x 192
+    # the last partial wave split (132 SMs): whole waves first (132 or 264 tiles), 128 x 192
     # tiles, MN-major operands, a prime K, fp8 drained in pairs, tf32
-    dict(splitk=1, dtype="bfloat16", m=3071, n=767, k=4104, a_major="k", b_major="k", epilogue="bias_gelu"),
+    dict(splitk=1, dtype="bfloat16", m=3071, n=1537, k=8200, a_major="k", b_major="k", epilogue="bias_gelu"),
     dict(splitk=1, dtype="float16", m=2047, n=2049, k=3001, a_major="k", b_major="k", epilogue="residual_silu"),
-    dict(splitk=1, dtype="bfloat16", m=4093, n=1537, k=3001, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
+    dict(splitk=1, dtype="bfloat16", m=4093, n=1031, k=3001, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
     dict(splitk=1, dtype="bfloat16", m=1024, n=1032, k=8200, a_major="m", b_major="n", epilogue="rowbias_relu"),
-    dict(splitk=1, dtype="float8_e4m3", m=3071, n=767, k=4104, a_major="k", b_major="k", epilogue="rowbias_relu",
+    dict(splitk=1, dtype="float8_e4m3", m=3071, n=767, k=8200, a_major="k", b_major="k", epilogue="rowbias_relu",
          out="bfloat16", amax=True),
-    dict(splitk=1, dtype="float32", precision="tf32", m=2999, n=1537, k=2056, a_major="k", b_major="k",
+    dict(splitk=1, dtype="float32", precision="tf32", m=1535, n=767, k=3008, a_major="k", b_major="k",
          epilogue="bias_gelu"),
 ]
 

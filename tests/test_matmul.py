@@ -269,9 +269,9 @@ def test_split_k_fills_the_sms_on_decode_shapes(shape, dtype):
 
 
 def test_the_last_partial_wave_is_split_over_the_sms():
-    """192 tiles of 128 x 128 on 132 SMs: one wave whole, the last 60 tiles cut into K ranges
-    (in the same launch, their partials in scratch) rather than a second wave of 60."""
-    plan = mm.plan_matmul(op("bfloat16", (3071, 4104)), weight("bfloat16", 4104, 1537), arch="sm_90", sms=132)
+    """312 tiles of 128 x 128 on 132 SMs: two waves whole, the last 48 tiles cut into K ranges
+    (in the same launch, their partials in scratch) rather than a third wave of 48."""
+    plan = mm.plan_matmul(op("bfloat16", (3071, 8200)), weight("bfloat16", 8200, 1537), arch="sm_90", sms=132)
     (gemm,) = plan.launches
     whole, splits = _walk(gemm)
     tiles = 24 * 13

@@ -31,7 +31,7 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
         if splits > 1:
             return -(-tiles * splits // sms) * (-(-slices // splits) + SPLIT_FIXED) * bm * bn / WGMMA_HEURISTIC[tile]
         whole, splits = tail_split(tiles, slices, 1, _partial_slices(bm, bn, geo.m), sms) if finish_fits(
-            bm, bn, tile[3]) else (tiles, 1)
+            bm, bn, tile[3]) and tiles > sms else (tiles, 1)   # (fewer tiles: split once the tile is chosen)
         return walk_cost(tiles, slices, 1, _partial_slices(bm, bn, geo.m), sms, whole, splits) * bm * bn \
             / WGMMA_HEURISTIC[tile]
     return min(WGMMA_HEURISTIC, key=cost)
@@ -73,6 +73,12 @@ TARGET_CTAS = 2 * DEFAULT_SMS
 SPLIT_MIN_SLICES = 4
 SPLIT_FIXED = 3
 SPLIT_GAIN = 0.9
+# slices' time a range of a split last wave pays beyond that for its finish (the arrival, the
+# tile's serial read and epilogue after the whole tiles), from the H100 sweep of session 14: at
+# 0 the model split tiles that ran slower split than whole (dgrad 3x3 256->256 14x14: 27.7 us
+# against 22.6; bert_large.qkv a.T@b 29.4 against 26.1), at 8 those stay whole and the measured
+# gains stay split (vit_b16.up a.T@b 66.7 -> 57.3 us, llama7b.o@4096 3xTF32 1779 -> 1352)
+SPLIT_FINISH = 8
 SPLIT_MAX = 32
 # A long K over few output tiles (a conv's weight gradient: K = N * P * Q output pixels): the
 # one-launch finish sums a tile's partials in one block, a serial read of splits x tile bytes
@@ -92,12 +98,14 @@ def _partial_slices(bm: int, bn: int, m: int) -> float:
 def walk_cost(tiles: int, slices: int, per_step: int, partial: float, sms: int, whole: int, splits: int) -> float:
     """Modelled time of a wgmma walk (common/tile_scheduler.cuh's TileWalk), in slices: the
     waves of ``whole`` tiles, then the waves of the rest's ``splits`` K ranges a tile (a range's
-    steps, the fixed costs, and split: its partial written and the tile's last range reading
-    every partial)."""
+    steps, the fixed costs, its partial written and on average one read back); after whole
+    tiles the last wave's finish (SPLIT_FINISH, the tile's last range reading every partial)."""
     steps = -(-slices // per_step)
     rest = tiles - whole
-    tail = -(-rest * splits // sms) * (-(-steps // splits) * per_step + SPLIT_FIXED) if rest else 0
-    return -(-whole // sms) * (slices + SPLIT_FIXED) + tail + (partial * (1 + splits) if splits > 1 else 0)
+    if splits == 1:
+        return -(-tiles // sms) * (slices + SPLIT_FIXED)
+    units = -(-rest * splits // sms) * (-(-steps // splits) * per_step + SPLIT_FIXED + 2 * partial)
+    return units if not whole else whole // sms * (slices + SPLIT_FIXED) + units + SPLIT_FINISH + partial * splits
 
 
 def tail_split(tiles: int, slices: int, per_step: int, partial: float, sms: int) -> tuple[int, int]:
