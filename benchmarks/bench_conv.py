@@ -26,7 +26,7 @@ import sys
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: a tree named there runs
 from common import table, write_json  # noqa: E402
 from sweep import COLUMNS, ITEMSIZE, Arr, Case, cell, require_libraries, run_case, worst_first  # noqa: E402
 

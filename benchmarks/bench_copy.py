@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: a tree named there runs
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import graph_ms, sets_for, table, time_ms, write_json  # noqa: E402
 

@@ -42,7 +42,7 @@ import sys
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: a tree named there runs
 from common import COPY_CEILING_TBS, host_us_per_call, sets_for, start, table, time_ms, write_json  # noqa: E402
 
 from nvdnn.kernels import matmul as mm  # noqa: E402
