@@ -76,7 +76,7 @@ def _cases():
     return out + SPLIT_CASES
 
 
-# split-K and stream-K finished inside the Hopper GEMM (the last range of a tile sums the partials): odd M, N,
+# split-K finished inside the Hopper GEMM (the last range of a tile sums the partials): odd M, N,
 # prime K (repacked), K past a multiple of 64 (the last slice zero-filled), batches, every epilogue
 # (``splitk`` only names them: -k splitk); 9 rows and more: 8 or fewer run the skinny kernel
 # (heuristic.skinny_rows; its own cases: test_gpu_matmul_skinny.py)

@@ -195,30 +195,34 @@ def _walk(launch) -> tuple:
     return int(launch.args[14]), int(launch.args[15])
 
 
-@pytest.mark.parametrize("tiles, slices, sms", [(144, 64, 132), (192, 48, 132), (6, 12, 132), (86, 64, 132),
-                                                (600, 12, 132), (1, 300, 132), (8, 32, 132), (133, 7, 132)])
-def test_split_walk_covers_every_step_once(tiles, slices, sms):
-    """The heuristic's walk through a mirror of common/tile_scheduler.cuh's TileWalk arithmetic:
-    every K step of every tile in exactly one piece, a split tile's ranges in the planes the
-    plan allocates, one per split (its arrivals)."""
-    whole, splits = heuristic.tail_split(tiles, slices, 1, 2.0, sms)
-    rest = tiles - whole
-    assert 1 <= splits <= slices
-    if splits > 1:   # the whole waves whole, the last one's tiles split over the SMs
-        assert whole % sms == 0 and (rest * splits <= sms if whole else rest < sms)
+@pytest.mark.parametrize("tiles, slices, per_step, regime", [
+    (144, 64, 1, "tail"), (300, 97, 1, "tail"), (145, 61, 2, "tail"), (400, 128, 2, "tail"), (6, 12, 1, "split"),
+    (86, 64, 1, "split"), (1, 300, 1, "split"), (8, 33, 2, "split"), (192, 48, 1, "whole"), (133, 7, 1, "whole")])
+def test_split_walk_covers_every_step_once(tiles, slices, per_step, regime):
+    """The heuristic's walk through a mirror of common/tile_scheduler.cuh's TileWalk arithmetic
+    (in K steps of ``per_step`` slices): every step of every tile in exactly one piece, a split
+    tile's ranges in the planes the plan allocates, one per split (its arrivals)."""
+    sms = 132
+    whole, splits = heuristic.tail_split(tiles, slices, per_step, 2.0, sms)
+    rest, steps = tiles - whole, -(-slices // per_step)
+    assert regime == ("whole" if splits == 1 else "tail" if whole else "split")
+    assert 1 <= splits <= steps
+    if regime == "tail":   # the whole waves whole, the last one's tiles split over the SMs
+        assert whole % sms == 0 and rest * splits <= sms
     seen, planes = {}, set()
     for block in range(sms):
         for u in range(block, whole + (rest * splits if splits > 1 else 0), sms):
             if u < whole:
-                tile, s0, n = u, 0, slices
+                tile, s0, n = u, 0, steps
             else:
                 part, t = divmod(u - whole, rest)
-                tile, s0, n = whole + t, part * slices // splits, (part + 1) * slices // splits - part * slices // splits
+                tile, s0, n = whole + t, part * steps // splits, (part + 1) * steps // splits - part * steps // splits
                 planes.add(part * rest + t)
+            assert n > 0
             for s in range(s0, s0 + n):
                 assert (tile, s) not in seen
                 seen[tile, s] = u
-    assert len(seen) == tiles * slices
+    assert len(seen) == tiles * steps
     assert planes == (set(range(rest * splits)) if splits > 1 else set())
 
 

@@ -411,14 +411,14 @@ def _build_wgmma(spec, req, geo, a_str, b_str, sms, split_k, gathers, rows, laun
     whole, splits = wgmma_walk(spec, geo, split_k, sms)
     fin = _finish_spec(spec) if splits > 1 and not sums_in_second_launch(spec, geo, sms) else None
     if fin is not None:   # one launch, one block a tile (no cluster): each range writes its partial,
-        whole, splits = wgmma_walk(fin, geo, split_k, sms)   # a tile's last range sums them
-        rest = -(-geo.m // fin.bm) * -(-geo.n // fin.bn) * geo.batch - whole
-        if splits > 1 and rest <= GRID_COUNTERS:
-            maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, whole + rest * splits, gathers, rows)
+        # a tile's last range sums them
+        f_whole, f_splits = wgmma_walk(fin, geo, split_k, sms) if fin.cluster != spec.cluster else (whole, splits)
+        rest = -(-geo.m // fin.bm) * -(-geo.n // fin.bn) * geo.batch - f_whole
+        if f_splits > 1 and rest <= GRID_COUNTERS:
+            maps, grid, bmul = _wgmma_launch(fin, geo, a_str, b_str, sms, f_whole + rest * f_splits, gathers, rows)
             launches.append(Launch(fin, grid, (fin.threads, 1, 1), fin.smem_bytes, ("y", "a", "b") + epi_roles
-                                   + ("scratch0",), maps + geometry_args + bmul + _ints(whole, splits) + epi_args))
-            return Plan(tuple(launches), scratch=(splits * rest * spec.bm * spec.bn * 4,))
-        whole, splits = wgmma_walk(spec, geo, split_k, sms)
+                                   + ("scratch0",), maps + geometry_args + bmul + _ints(f_whole, f_splits) + epi_args))
+            return Plan(tuple(launches), scratch=(f_splits * rest * spec.bm * spec.bn * 4,))
     tiles = -(-geo.m // (spec.bm * spec.cluster)) * -(-geo.n // spec.bn) * geo.batch
     if splits > 1 and not whole and not spec.c_rows and not req.scaled:  # (fp8: the partials carry no descale)
         part = _split_spec(spec)
