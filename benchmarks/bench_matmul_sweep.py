@@ -196,7 +196,7 @@ def plans(sms=132, arch="sm_90", quick=False) -> list:
 # -- GPU time estimate (no GPU): the measurement's call counts over a roofline of each library ------
 
 NV_TFLOPS = {"wgmma": {"bf16": 550, "fp16": 550, "tf32": 280, "fp8": 900}, "mma": {"bf16": 180, "fp16": 180,
-             "tf32": 90}, "simt": {"fp32": 13},
+             "tf32": 90, "fp32": 30}, "simt": {"fp32": 13},
              "skinny": {"bf16": 50, "fp16": 50, "tf32": 50, "fp32": 50, "fp8": 50}}   # float32 FMA, memory bound
 TORCH_TFLOPS = {"bf16": 650, "fp16": 650, "tf32": 330, "fp32": 48, "fp8": 1100}
 WARMUP, TRIALS, TRIAL_MS, MAX_ITERS, CALL_MS, SPIN_MS, HOST_MS = 3, 5, 5.0, 60, 20.0, 3.0, 0.04  # common._spin: 3 ms

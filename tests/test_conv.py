@@ -273,9 +273,10 @@ def test_kcrs_weight_is_reordered_by_the_same_gather():
 
 
 def test_gemm_scratch_follows_the_gather_scratch():
-    """fp32 exact on Hopper: the GEMM's own repacks (3xTF32 planes) and split-K partials get the
-    scratch slots after the gather's, and read the gathered columns."""
-    x, w = _op("float32", (2, 64, 56, 56), "NCHW"), _op("float32", (64, 64, 3, 3), "NCHW")
+    """fp32 exact on Hopper's wgmma (256 output channels: fewer run mma.sync in place): the GEMM's
+    own repacks (3xTF32 planes) and any split-K partials get the scratch slots after the
+    gather's, and read the gathered columns."""
+    x, w = _op("float32", (2, 64, 56, 56), "NCHW"), _op("float32", (256, 64, 3, 3), "NCHW")
     plan = conv.plan_conv_fprop(x, w, padding=1, arch="sm_90")
     pointers = [l.pointers for l in plan.launches]
     assert pointers[:4] == [("scratch0", "w"), ("scratch1", "x"), ("scratch2", "scratch1"), ("scratch3", "scratch0")]
@@ -311,11 +312,12 @@ def test_graph_explain_shows_the_reorder_and_the_implicit_gemm():
     assert "launches: im2col/f16.v8/pad -> matmul/wgmma/f16.k.im2colxf16.k->f16/bias.col.f16/ep=relu/" in text
 
 
-def test_ampere_runs_mma_and_float32_exact_small_runs_simt():
+def test_ampere_runs_mma_and_float32_exact_small_runs_3xtf32_on_mma():
     x, w = _op("bfloat16", (2, 64, 28, 28), "NHWC"), _op("bfloat16", (64, 64, 3, 3), "NHWC")
     assert conv.plan_conv_fprop(x, w, padding=1, arch="sm_80").launches[-1].spec.kernel == "mma"
     x, w = _op("float32", (1, 3, 9, 9), "NCHW"), _op("float32", (4, 3, 3, 3), "NCHW")
-    assert conv.plan_conv_fprop(x, w, arch="sm_90").launches[-1].spec.kernel == "simt"
+    gemm = conv.plan_conv_fprop(x, w, arch="sm_90").launches[-1].spec
+    assert (gemm.kernel, gemm.precision) == ("mma", "exact")
     assert conv.plan_conv_fprop(x, w, arch="sm_90", precision="tf32").launches[-1].spec.precision == "tf32"
 
 

@@ -60,6 +60,14 @@ def _cases():
                         epilogue="residual_silu", batch="a"))
         for m, n, k, epi in ((1000, 1029, 1032, "bias_gelu"), (7, 129, 4096, "residual_silu"), (4097, 1, 8, "plain")):
             out.append(dict(dtype="float32", precision=precision, m=m, n=n, k=k, a_major="k", b_major="k", epilogue=epi))
+        # few float32 rows on the mma kernel, both operands read as they lie (3xTF32 in registers
+        # for exact): N-major B, prime sizes, a split K (second-launch sums), a batch
+        for m, n, k, (am, bm), epi in ((16, 4099, 8192, ("k", "n"), "bias_gelu"), (33, 1031, 2053, ("m", "n"), "plain"),
+                                       (64, 3000, 1000, ("k", "k"), "rowbias_relu"), (9, 520, 768, ("k", "n"),
+                                                                                       "residual_silu")):
+            out.append(dict(dtype="float32", precision=precision, m=m, n=n, k=k, a_major=am, b_major=bm, epilogue=epi))
+        out.append(dict(dtype="float32", precision=precision, m=65, n=67, k=129, a_major="m", b_major="n",
+                        epilogue="bias_gelu", batch="ab"))
     # column-major y (its M stride 1): the epilogue's scalar stores through the strides
     for dt, k, epi in (("bfloat16", 1032, "bias_gelu"), ("float16", 1031, "residual_silu"), ("bfloat16", 1, "plain")):
         out.append(dict(dtype=dt, m=1000, n=1029, k=k, a_major="k", b_major="k", epilogue=epi, out_major="m"))
@@ -84,7 +92,7 @@ SPLIT_CASES = [
     dict(splitk=1, dtype="bfloat16", m=9, n=4111, k=4093, a_major="k", b_major="k", epilogue="bias_gelu"),
     dict(splitk=1, dtype="float16", m=15, n=1000, k=2056, a_major="k", b_major="k", epilogue="rowbias_relu", amax=True),
     dict(splitk=1, dtype="bfloat16", m=11, n=2056, k=8200, a_major="k", b_major="n", epilogue="residual_silu"),
-    dict(splitk=1, dtype="float16", m=13, n=3072, k=768, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
+    dict(splitk=1, dtype="float16", m=13, n=3072, k=3080, a_major="k", b_major="k", epilogue="gelu_tanh_f32"),
     dict(splitk=1, dtype="bfloat16", m=64, n=129, k=4104, a_major="k", b_major="k",
          epilogue="plain", amax=True, batch="a"),
     dict(splitk=1, dtype="float16", m=13, n=4099, k=3001, a_major="m", b_major="n", epilogue="bias_gelu"),
@@ -100,8 +108,8 @@ SPLIT_CASES = [
          epilogue="rowbias_relu", out="bfloat16", amax=True),
     dict(splitk=1, dtype="float32", precision="tf32", m=15, n=3072, k=768, a_major="k", b_major="k",
          epilogue="bias_gelu"),
-    dict(splitk=1, dtype="float32", precision="exact", m=9, n=4099, k=4096, a_major="k", b_major="k",
-         epilogue="residual_silu"),
+    dict(splitk=1, dtype="float32", precision="exact", m=500, n=1029, k=4096, a_major="k", b_major="k",
+         epilogue="residual_silu"),   # (fewer rows run the mma kernel: heuristic.mma_reads_in_place)
     # the last partial wave split (132 SMs): whole waves first (132 or 264 tiles), 128 x 192
     # tiles, MN-major operands, a prime K, fp8 drained in pairs, tf32
     dict(splitk=1, dtype="bfloat16", m=3071, n=1537, k=8200, a_major="k", b_major="k", epilogue="bias_gelu"),
@@ -350,6 +358,8 @@ TILE_CASES = [dict(dtype="bfloat16", m=1000, n=1029, k=1032, a_major="k", b_majo
               dict(dtype="float16", m=257, n=520, k=1032, a_major="m", b_major="n", epilogue="residual_silu"),
               dict(dtype="float32", precision="tf32", m=257, n=520, k=1000, a_major="k", b_major="k",
                    epilogue="plain"),
+              dict(dtype="float32", precision="exact", m=33, n=1031, k=2056, a_major="k", b_major="n",
+                   epilogue="bias_gelu"),
               dict(dtype="float8_e4m3", m=1000, n=1029, k=1024, a_major="k", b_major="k", epilogue="rowbias_relu",
                    out="bfloat16", amax=True)]
 
@@ -391,7 +401,7 @@ def test_every_tile_candidate(case):
 
 
 RELAUNCH_CASES = [dict(dtype="bfloat16", m=9, n=1029, k=k, a_major="k", b_major="k", epilogue="bias_gelu")
-                  for k in (4096, 8200, 2056)]   # one split-K kernel, three split counts
+                  for k in (2056, 1288, 1032)]   # one split-K kernel (64 x 64 tiles), three split counts
 
 
 def test_split_k_plans_relaunched_and_replayed_from_a_graph():

@@ -84,13 +84,13 @@ def test_heuristic_kernels():
     assert [m.box for m in plan.launches[0].args if isinstance(m, mm.TensorMapArg)][1] == (64, 64, 1)
     assert (_kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_80")).b_major) == "n"
     # tf32 has no transpose mode on wgmma: an N-major B is repacked K-major into scratch first
-    # (from 2^24 multiply-adds; below, mma.sync reads it as it is)
-    plan = mm.plan_matmul(op("float32", (256, 256)), op("float32", (256, 256)), precision="tf32", arch="sm_90",
+    # (where that beats mma.sync reading it as it is: heuristic.mma_reads_in_place)
+    plan = mm.plan_matmul(op("float32", (1024, 1024)), op("float32", (1024, 1024)), precision="tf32", arch="sm_90",
                           split_k=1)
     first, gemm = plan.launches
     assert isinstance(first.spec, RepackSpec) and first.pointers == ("scratch0", "b") and first.spec.read_along == "r"
     assert (gemm.spec.kernel, gemm.spec.b_major, gemm.pointers) == ("wgmma", "k", ("y", "a", "scratch0"))
-    assert plan.scratch == (256 * 256 * 4,)
+    assert plan.scratch == (1024 * 1024 * 4,)
     f32n = _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), precision="tf32",
                                   arch="sm_90"))
     assert (f32n.kernel, f32n.b_major) == ("mma", "n")
@@ -103,13 +103,28 @@ def test_heuristic_kernels():
     spec = _kernel(mm.plan_matmul(op("float16", (33, 7)), weight("float16", 7, 9), arch="sm_90"))
     assert (spec.kernel, spec.vec) == ("mma", 1)
     f32 = op("float32", (256, 256))
-    assert _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), arch="sm_90")).kernel == "simt"
-    # exact float32 from 2^24 multiply-adds: 3xTF32, both operands split into tf32 hi / lo planes
-    plan = mm.plan_matmul(f32, f32, arch="sm_90", split_k=1)
-    assert [l.spec.split for l in plan.launches[:2]] == ["a", "b"] and plan.scratch == (256 * 768 * 4,) * 2
+    # small exact float32: 3xTF32 on mma.sync, split in registers, operands read as they lie
+    small = _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), arch="sm_90"))
+    assert (small.kernel, small.precision, small.b_major) == ("mma", "exact", "n")
+    # few float32 rows: the mma kernel reads an N-major B in place (no repack: 3xTF32's would
+    # copy the weight into hi / lo planes, tf32's K-major)
+    for precision in ("exact", "tf32"):
+        plan = mm.plan_matmul(op("float32", (16, 4096)), op("float32", (4096, 28672)), precision=precision,
+                              arch="sm_90", sms=132)
+        assert [(l.spec.kernel, l.spec.precision, l.spec.bm, l.pointers) for l in plan.launches] == \
+            [("mma", precision, 16, ("y", "a", "b"))] and plan.scratch == ()
+    assert _kernel(mm.plan_matmul(op("float32", (16, 4096)), weight("float32", 4096, 28672), precision="tf32",
+                                  arch="sm_90")).kernel == "wgmma"   # K-major: wgmma reads it as it is
+    strided32 = op("float32", (64, 64), (128, 2))
+    assert _kernel(mm.plan_matmul(strided32, op("float32", (64, 64)), arch="sm_90")).kernel == "simt"
+    # exact float32 where it pays: 3xTF32 on wgmma, both operands split into tf32 hi / lo planes
+    f1k = op("float32", (1024, 1024))
+    plan = mm.plan_matmul(f1k, f1k, arch="sm_90", split_k=1)
+    assert [l.spec.split for l in plan.launches[:2]] == ["a", "b"] and plan.scratch == (1024 * 3072 * 4,) * 2
     assert (plan.launches[2].spec.kernel, plan.launches[2].spec.precision, int(plan.launches[2].args[4])) == \
-        ("wgmma", "tf32", 3 * 256)
-    assert _kernel(mm.plan_matmul(f32, f32, arch="sm_80")).kernel == "simt"
+        ("wgmma", "tf32", 3 * 1024)
+    assert (_kernel(mm.plan_matmul(f32, f32, arch="sm_80")).kernel, _kernel(mm.plan_matmul(f32, f32, arch="sm_80"))
+            .precision) == ("mma", "exact")
     tf32 = _kernel(mm.plan_matmul(f32, weight("float32", 256, 256), precision="tf32", arch="sm_90"))
     assert (tf32.kernel, tf32.precision, tf32.bk) == ("wgmma", "tf32", 32)
     assert _kernel(mm.plan_matmul(f32, f32, precision="tf32", arch="sm_80")).kernel == "mma"
@@ -196,8 +211,9 @@ def _walk(launch) -> tuple:
 
 
 @pytest.mark.parametrize("tiles, slices, per_step, regime", [
-    (144, 64, 1, "tail"), (300, 97, 1, "tail"), (145, 61, 2, "tail"), (400, 128, 2, "tail"), (6, 12, 1, "split"),
-    (86, 64, 1, "split"), (1, 300, 1, "split"), (8, 33, 2, "split"), (192, 48, 1, "whole"), (133, 7, 1, "whole")])
+    (144, 64, 1, "tail"), (300, 97, 1, "tail"), (145, 61, 2, "tail"), (400, 128, 2, "tail"), (6, 48, 1, "split"),
+    (40, 64, 1, "split"), (1, 300, 1, "split"), (8, 65, 2, "split"), (192, 48, 1, "whole"), (133, 7, 1, "whole"),
+    (6, 12, 1, "whole")])
 def test_split_walk_covers_every_step_once(tiles, slices, per_step, regime):
     """The heuristic's walk through a mirror of common/tile_scheduler.cuh's TileWalk arithmetic
     (in K steps of ``per_step`` slices): every step of every tile in exactly one piece, a split
@@ -238,11 +254,11 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
     assert "/splitk->bf16/" in spec.uri and spec.cluster == 1
     assert gemm.pointers == ("y", "a", "b", "bias", "scratch0")
     whole, splits = _walk(gemm)
-    assert whole == 0 and splits > 1 and splits * 4 <= 16384 // spec.bk and plan.scratch == (splits * 64 * 128 * 4,)
+    assert whole == 0 and splits > 1 and splits * 4 <= 16384 // spec.bk and plan.scratch == (splits * 64 * spec.bn * 4,)
     assert gemm.grid[0] <= 132
     # fp8 splits too (the scales are the epilogue's), its amax zeroed first (8 rows: past the
     # skinny kernel's fp8 rows, heuristic.skinny_rows)
-    plan = mm.plan_matmul(op("float8_e4m3", (8, 4096)), weight("float8_e4m3", 4096, 11008), amax=True,
+    plan = mm.plan_matmul(op("float8_e4m3", (8, 4096)), weight("float8_e4m3", 4096, 4096), amax=True,
                           out_dtype="float8_e4m3", arch="sm_90", sms=132)
     zero, gemm = plan.launches
     assert isinstance(zero.spec, mm.MatmulZeroSpec) and gemm.spec.finish and gemm.spec.scaled
@@ -251,11 +267,12 @@ def test_hopper_split_k_finishes_in_the_gemm_launch():
 
 # (M, N, K) -> (tile bm x bn, splits) on 132 SMs (9 rows: 8 or fewer run the skinny kernel,
 # test_matmul_skinny.py): tiles x splits in waves of the SMs, >= 4 K slices a range; 64 x 256
-# tiles have no finish variant (specs.finish_fits), 501 tiles stay whole
+# tiles have no finish variant (specs.finish_fits), 501 tiles stay whole; a small weight takes
+# 64 x 64 tiles, and a short K stays whole (the split's finish costs more than it saves)
 DECODE_PLANS = {(9, 11008, 4096): ((64, 128), 3), (16, 28672, 4096): ((64, 256), 1),
                 (64, 10240, 8192): ((64, 128), 3), (9, 128256, 4096): ((64, 256), 1),
-                (32, 1000, 2048): ((64, 128), 8), (256, 1000, 2048): ((64, 64), 2),
-                (16, 3072, 768): ((64, 128), 3)}
+                (32, 1000, 2048): ((64, 64), 8), (256, 1000, 2048): ((64, 64), 2),
+                (16, 3072, 768): ((64, 64), 1)}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -325,13 +342,15 @@ def test_split_finish_specs_validate():
     assert plan.launches[0].spec.split and len(plan.launches) == 2
 
 
-@pytest.mark.parametrize("dtype, precision", [("bfloat16", "exact"), ("float32", "tf32"), ("float32", "exact")])
-def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, precision):
+@pytest.mark.parametrize("dtype, precision, m, n", [("bfloat16", "exact", 9, 4099), ("float32", "tf32", 256, 1031),
+                                                    ("float32", "exact", 200, 1031)])
+def test_repacked_operands_and_split_k_partials_use_separate_scratch(dtype, precision, m, n):
     """A skinny product of a prime K (rows no tensor map reads) or exact float32 (3xTF32):
     repacked operands and the split-K partials each name their own buffer; the GEMM finishes
-    its splits itself."""
-    plan = mm.plan_matmul(op(dtype, (9, 4093)), op(dtype, (4093, 4099)), precision=precision, arch="sm_90",
-                          sms=132)   # 9 rows: 8 or fewer run the skinny kernel
+    its splits itself. (8 rows or fewer run the skinny kernel; float32 on fewer rows the mma
+    kernel, heuristic.mma_reads_in_place.)"""
+    plan = mm.plan_matmul(op(dtype, (m, 4093)), op(dtype, (4093, n)), precision=precision, arch="sm_90",
+                          sms=132)
     repacks = [l for l in plan.launches if isinstance(l.spec, RepackSpec)]
     (gemm,) = [l for l in plan.launches if not isinstance(l.spec, RepackSpec)]
     assert gemm.spec.finish and len(plan.launches) == 3
@@ -433,7 +452,7 @@ def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
             assert want in sass and "UTMALDG" in sass, f"{uri}: no {want} / TMA load"
             seen.add(want)
         elif fields["kernel"] == "mma":
-            assert "HMMA" in sass and ("LDSM" in sass or fields["precision"] == "tf32"), uri
+            assert "HMMA" in sass and ("LDSM" in sass or fields["a_dtype"] == "float32"), uri
     assert seen == {"HGMMA", "QGMMA", "skinny"}
 
 

@@ -13,6 +13,21 @@ WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 192, 5, 2
                    (256, 64, 5, 2): 0.61, (128, 64, 6, 2): 0.6, (64, 64, 6, 1): 0.55}
 
 
+SMALL_B_BYTES = 1 << 24   # B of a small product (a weight of at most 16 MiB), see _rows_tile
+
+
+def _rows_tile(geo, sms: int, bk: int) -> tuple:
+    """One warpgroup of 64 rows: 64 columns on a small product (128-column tiles would leave
+    half the SMs without one, B at most SMALL_B_BYTES: twice the blocks, each streaming less;
+    H100, bf16 32 x 768 x 768 5.6 us against 6.6, tf32 32 x 1000 x 2048 11.9 against 15.7; a
+    larger B splits 128-column tiles instead: bf16 8 x 4096 x 4096 ran 22.4 us on 64 x 64, 19.5
+    on 64 x 128), 128 while those fill a wave, else 256 (fewer, longer streams)."""
+    tiles = -(-geo.m // 64) * -(-geo.n // 128) * geo.batch
+    if 2 * tiles < sms and geo.n * geo.k * (128 // bk) <= SMALL_B_BYTES:
+        return (64, 64, 6, 1)
+    return (64, 128, 6, 1) if tiles <= sms else (64, 256, 4, 1)
+
+
 def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     """The tile of least modelled time: a tile's work over its relative throughput times the
     waves of the walk ``wgmma_walk`` would plan (whole tiles, the last wave's split over the
@@ -21,7 +36,7 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     take one warpgroup of 64 rows, 128 columns while those tiles fill one wave, else 256
     (fewer, longer streams)."""
     if geo.m <= 64:
-        return (64, 128, 6, 1) if -(-geo.n // 128) * geo.batch <= sms else (64, 256, 4, 1)
+        return _rows_tile(geo, sms, bk)
     slices = -(-geo.k // bk)
 
     def cost(tile):
@@ -37,7 +52,7 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     return min(WGMMA_HEURISTIC, key=cost)
 
 
-def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
+def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS, precision: str = "") -> dict:
     if kernel == "wgmma" and not promote:
         bm, bn, stages, wm = _wgmma_tile(geo, sms, 128 // _size(req.a_dtype))
         tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
@@ -47,8 +62,11 @@ def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
                     cluster=2 if (bm, bn) == (128, 256) and tiles >= 8 * sms else 1)
     if kernel == "wgmma":
         bk = 128 // _size(req.a_dtype)
-        if geo.m <= 64:  # decode: one warpgroup of 64 rows (two accumulator sets of 64 registers)
-            return dict(bm=64, bn=128, bk=bk, stages=6, wm=1, wn=1, group_m=8)
+        small = -(-geo.m // 128) * -(-geo.n // 128) * geo.batch * 2 < sms and geo.n * geo.k * (128 // bk) <= SMALL_B_BYTES
+        if geo.m <= 64 or (geo.m <= 128 and small):  # one warpgroup of 64 rows (two accumulator sets):
+            # 64 columns on a small product (fp8 128 x 4096 x 4096: 8.6 us against 14.1 on 128 x 128)
+            bn = 64 if geo.m > 64 or _rows_tile(geo, sms, bk)[1] == 64 else 128
+            return dict(bm=64, bn=bn, bk=bk, stages=6, wm=1, wn=1, group_m=8)
         if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
             return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
         # fp8 drained into float32 (two accumulator sets): many waves of 128 x 192 tiles, pairs
@@ -57,7 +75,7 @@ def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS) -> dict:
         return dict(bm=128, bn=192, bk=bk, stages=5, wm=2, wn=1, group_m=8, cluster=2 if tiles >= 8 * sms else 1)
     if kernel == "mma":
         if req.a_dtype == "float32":
-            return dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
+            return mma_f32_tile(geo.m, geo.n, geo.k, precision)
         if geo.m * geo.n * geo.batch <= 256 * 256:
             return dict(bm=64, bn=64, bk=64, stages=4, wm=2, wn=2, group_m=8)
         return dict(bm=128, bn=128, bk=32, stages=4, wm=2, wn=4, group_m=8)
@@ -73,11 +91,14 @@ TARGET_CTAS = 2 * DEFAULT_SMS
 SPLIT_MIN_SLICES = 4
 SPLIT_FIXED = 3
 SPLIT_GAIN = 0.9
-# slices' time a range of a split last wave pays beyond that for its finish (the arrival, the
-# tile's serial read and epilogue after the whole tiles), from the H100 sweep of session 14: at
-# 0 the model split tiles that ran slower split than whole (dgrad 3x3 256->256 14x14: 27.7 us
-# against 22.6; bert_large.qkv a.T@b 29.4 against 26.1), at 8 those stay whole and the measured
-# gains stay split (vit_b16.up a.T@b 66.7 -> 57.3 us, llama7b.o@4096 3xTF32 1779 -> 1352)
+# slices' time a split walk pays beyond that for its finish (the arrival, the tile's serial read
+# and epilogue after the other ranges), from the H100 sweep of session 14: at 0 the model split
+# tiles that ran slower split than whole (dgrad 3x3 256->256 14x14: 27.7 us against 22.6;
+# bert_large.qkv a.T@b 29.4 against 26.1), at 8 those stay whole and the measured gains stay
+# split (vit_b16.up a.T@b 66.7 -> 57.3 us, llama7b.o@4096 3xTF32 1779 -> 1352). Charged to a
+# walk of split tiles only (fewer tiles than SMs) too since session 15: a short K split ran
+# slower than whole tiles (H100: bf16 32 x 768 x 768 8.3 us split, 6.6 whole; fp8 64 x 10240
+# x 8192 42.4 against 34.8), a long one stays split (decode 32 x 8192 x 28672).
 SPLIT_FINISH = 8
 SPLIT_MAX = 32
 # A long K over few output tiles (a conv's weight gradient: K = N * P * Q output pixels): the
@@ -98,14 +119,14 @@ def _partial_slices(bm: int, bn: int, m: int) -> float:
 def walk_cost(tiles: int, slices: int, per_step: int, partial: float, sms: int, whole: int, splits: int) -> float:
     """Modelled time of a wgmma walk (common/tile_scheduler.cuh's TileWalk), in slices: the
     waves of ``whole`` tiles, then the waves of the rest's ``splits`` K ranges a tile (a range's
-    steps, the fixed costs, its partial written and on average one read back); after whole
-    tiles the last wave's finish (SPLIT_FINISH, the tile's last range reading every partial)."""
+    steps, the fixed costs, its partial written and on average one read back), then the split
+    tiles' finish (SPLIT_FINISH, the tile's last range reading every partial)."""
     steps = -(-slices // per_step)
     rest = tiles - whole
     if splits == 1:
         return -(-tiles // sms) * (slices + SPLIT_FIXED)
     units = -(-rest * splits // sms) * (-(-steps // splits) * per_step + SPLIT_FIXED + 2 * partial)
-    return units if not whole else whole // sms * (slices + SPLIT_FIXED) + units + SPLIT_FINISH + partial * splits
+    return whole // sms * (slices + SPLIT_FIXED) + units + SPLIT_FINISH + partial * splits
 
 
 def tail_split(tiles: int, slices: int, per_step: int, partial: float, sms: int) -> tuple[int, int]:
@@ -177,9 +198,67 @@ def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_S
     if split_k is not None:
         return max(1, min(int(split_k), -(-geo.k // spec.bk)))
     tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
-    if geo.k < SPLIT_MIN_K or tiles * 2 > TARGET_CTAS:
+    # few float32 rows stream B: a K of MMA_F32_MIN_CHUNK a range already keeps the copies busy
+    rows = spec.kernel == "mma" and spec.a_dtype == "float32" and spec.bm <= 64
+    chunk = MMA_F32_MIN_CHUNK if rows else 512
+    if geo.k < (2 * chunk if rows else SPLIT_MIN_K) or tiles * 2 > TARGET_CTAS:
         return 1
-    return max(1, min(TARGET_CTAS // tiles, geo.k // 512, 32))
+    return max(1, min(TARGET_CTAS // tiles, geo.k // chunk, 32))
+
+
+# -- float32 on the mma kernel ------------------------------------------------------------------------
+# The wgmma kernel reads float32 K-major only, and its 3xTF32 ("exact") reads hi / lo copies of
+# both operands: an operand it cannot read as it lies is repacked first, in tf32 read, written and
+# read again (3x its bytes), for 3xTF32 read, written as three planes and read (7x). The mma
+# kernel reads both as they lie (3xTF32 split in registers) at a fraction of wgmma's tensor rate,
+# and copies of fewer than 16 bytes (a prime K) slow its reads. ``mma_reads_in_place`` weighs the
+# two rooflines; its rates are this kernel's on the H100 (session 15, forced tiles: 512 x 4096 x
+# 4096 tf32 on 64 x 128 tiles 189 us, 3xTF32 448 us). Measured with it: tf32 16 x 28672 x 4096
+# a @ b 493 -> 174 us, exact 32 x 8192 x 28672 2338 -> 425 us, exact 128 x 4096 x 4096 191 -> 121
+# us; tf32 batched p @ v (48 x 512 x 64 x 512: half of mma's 128-column tiles padding) stays
+# on wgmma (mma 48.3 us against 31.9).
+MMA_TF32_TFLOPS = 70      # mma.sync tf32 products of this kernel
+MMA_3XTF32_TFLOPS = 105   # the same counting 3xTF32's three products (more products a fragment load)
+WGMMA_TF32_TFLOPS = 300   # wgmma tf32 (a tile of 64 rows: M / 64 of it for fewer rows)
+COPY_TBS = 3.0
+MMA_F32_MIN_CHUNK = 256   # K of a split range on few rows (the copies stay busy from there)
+
+
+def mma_reads_in_place(geo, precision: str, repacked: tuple[bool, bool], vec: int) -> bool:
+    """Whether a float32 product runs faster on the mma kernel reading A and B in place (``vec``
+    elements a copy) than on wgmma after its repacks (``repacked``: which operands tf32 would
+    copy; 3xTF32 copies both)."""
+    three = precision == "exact"
+    if not (three or any(repacked)):
+        return False
+    tile = mma_f32_tile(geo.m, geo.n, geo.k, precision)   # the products its tiles compute, padding included
+    flops = 2 * geo.batch * -(-geo.m // tile["bm"]) * tile["bm"] * -(-geo.n // tile["bn"]) * tile["bn"] * geo.k \
+        * (3 if three else 1)
+    sizes = (4 * geo.m * geo.k * (geo.batch if geo.a[2] else 1), 4 * geo.n * geo.k * (geo.batch if geo.b[2] else 1))
+    extra = sum(size * (6 if three else 2) for size, copied in zip(sizes, repacked) if copied or three)
+    mma = max(flops / ((MMA_3XTF32_TFLOPS if three else MMA_TF32_TFLOPS) * 1e12),
+              sum(sizes) / (COPY_TBS * 1e12 * min(1.0, vec / 4)))
+    wgmma = max(2 * geo.batch * geo.m * geo.n * geo.k * (3 if three else 1)
+                / (WGMMA_TF32_TFLOPS * 1e12 * min(1.0, geo.m / 64)), (sum(sizes) + extra) / (COPY_TBS * 1e12))
+    return mma < wgmma
+
+
+def mma_f32_tile(m: int, n: int, k: int, precision: str) -> dict:
+    """The mma tile of float32 A by rows: 16 or 32 rows by 128 columns in warps of 16 or 32 x 32
+    (16 rows to 32 on a small weight of up to 2^22 elements, 32 to 128 on one: more blocks, each
+    streaming less; H100, exact 77 x 3072 x 768 22.0 us against 28.2 on 64 x 64); else 64 x 128
+    (tf32 warps of 32 x 64, to 128 rows; 3xTF32 holds 190-220 registers at 32 x 32, so 64 x 64
+    past 64 rows); tf32 past 128 rows 128 x 128 (sm_80's GEMM)."""
+    small = n * k <= 1 << 22
+    if m <= 16 or (m <= 32 and small):
+        return dict(bm=16, bn=128, bk=32, stages=4, wm=1, wn=4, group_m=8)
+    if m <= 32 or (m <= 128 and small):
+        return dict(bm=32, bn=128, bk=32, stages=4, wm=1, wn=4, group_m=8)
+    if precision == "tf32":
+        return dict(bm=64, bn=128, bk=32, stages=4, wm=2, wn=2, group_m=8) if m <= 128 else \
+            dict(bm=128, bn=128, bk=32, stages=3, wm=2, wn=4, group_m=8)
+    return dict(bm=64, bn=128, bk=32, stages=4, wm=2, wn=4, group_m=8) if m <= 64 else \
+        dict(bm=64, bn=64, bk=32, stages=4, wm=2, wn=2, group_m=8)
 
 
 # -- the skinny (decode) kernel --------------------------------------------------------------------

@@ -15,7 +15,7 @@ from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
-from .heuristic import _heuristic_tile, split_count, sums_in_second_launch, wgmma_walk
+from .heuristic import _heuristic_tile, mma_reads_in_place, split_count, sums_in_second_launch, wgmma_walk
 from .skinny import SkinnySpec, plan_skinny
 from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
@@ -163,8 +163,9 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     "scale_b" (fp8 inputs), "scale_out" (fp8 output), "amax" (``amax=True``: max |y| before
     quantization, float32); ``norm`` (a Norm of N-value vectors, "norm_mean", "norm_var",
     "norm_gamma", "norm_beta") normalizes each column after the bias, before the residual.
-    ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32 on sm_90 from
-    REPACK_MIN_WORK multiply-adds, fp32 FMA below and elsewhere) or "tf32"; for fp8
+    ``precision`` for float32 inputs: "exact" (float32 accuracy: 3xTF32, on sm_90's wgmma from
+    REPACK_MIN_WORK multiply-adds where heuristic.mma_reads_in_place does not pick mma.sync, else
+    on mma.sync split in registers; strided operands on fp32 FMA) or "tf32"; for fp8
     inputs: "exact" (float32 sums: the tensor core's are drained into float32 every 256 of K) or
     "fast" (the tensor core's reduced-precision sums over all of K, like cuBLAS's fast accumulation).
     ``split_k``: K ranges whose float32 partials are summed before the epilogue (None: the
@@ -329,7 +330,7 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                     break
     kernel, fields = options[0]
     return MatmulSpec(kernel=kernel, **base, **fields,
-                      **_heuristic_tile(kernel, req, geo, fields.get("promote", False), sms))
+                      **_heuristic_tile(kernel, req, geo, fields.get("promote", False), sms, fields["precision"]))
 
 
 def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
@@ -342,6 +343,18 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
     a_direct = _wgmma_direct(req.a_dtype, a_major, a_sm, a_sk, a_align, geo.a[2])
     b_direct = _wgmma_direct(req.a_dtype, b_major, b_sn, b_sk, b_align, geo.b[2])
     big = geo.m * geo.n * geo.k >= REPACK_MIN_WORK
+    mma = None
+    if a_major != "any" and b_major != "any" and (req.a_dtype in HALF or (req.a_dtype == "float32" and arch_n >= 80)):
+        a_lead, a_extent = (a_sm, geo.k) if a_major == "k" else (a_sk, geo.m)
+        b_lead, b_extent = (b_sn, geo.k) if b_major == "k" else (b_sk, geo.n)
+        vec = min(_vec(width, a_align, a_extent, a_lead), _vec(width, b_align, b_extent, b_lead))
+        if geo.batch > 1:
+            for s in (geo.a[2], geo.b[2]):
+                while vec > 1 and s % vec:
+                    vec //= 2
+        mma = ("mma", dict(a_major=a_major, b_major=b_major, precision=precision if width == 4 else "", vec=vec))
+        if width == 4 and arch_n == 90 and mma_reads_in_place(geo, precision, (not a_direct, not b_direct), vec):
+            out.append(mma)   # float32 where wgmma's repacks would cost more than mma.sync's slower products
     if tensor_cores and arch_n == 90 and ((a_direct and b_direct) or big):
         # an operand no tensor map reads is repacked K-major first (kernels/repack.py)
         out.append(("wgmma", dict(a_major=a_major if a_direct else "k", b_major=b_major if b_direct else "k",
@@ -352,16 +365,8 @@ def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:
         # drained into float32 every two slices (the tensor core's own, over all of 3K, left
         # 4.2e-5 of rms at 4096^3 on the H200 against cuBLAS SGEMM's 1.2e-6)
         out.append(("wgmma", dict(a_major="k", b_major="k", precision="tf32", vec=0, promote=True)))
-    if req.a_dtype in HALF or (req.a_dtype == "float32" and precision == "tf32"):
-        if a_major != "any" and b_major != "any":
-            a_lead, a_extent = (a_sm, geo.k) if a_major == "k" else (a_sk, geo.m)
-            b_lead, b_extent = (b_sn, geo.k) if b_major == "k" else (b_sk, geo.n)
-            vec = min(_vec(width, a_align, a_extent, a_lead), _vec(width, b_align, b_extent, b_lead))
-            if geo.batch > 1:
-                for s in (geo.a[2], geo.b[2]):
-                    while vec > 1 and s % vec:
-                        vec //= 2
-            out.append(("mma", dict(a_major=a_major, b_major=b_major, precision="tf32" if width == 4 else "", vec=vec)))
+    if mma is not None and mma not in out:
+        out.append(mma)
     out.append(("simt", dict(a_major=a_major, b_major=b_major, precision="exact" if width == 4 else "", vec=1)))
     return out
 

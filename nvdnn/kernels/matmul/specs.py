@@ -216,7 +216,7 @@ class MatmulSpec(KernelSpec):
     out_dtype: str
     a_major: str                 # "k": A's K stride is 1; "m": its M stride is 1; "any" (simt): strided
     b_major: str                 # "k": B's K stride is 1 (an (N, K) weight); "n": its N stride is 1
-    precision: str               # float32 inputs: "exact" (simt) or "tf32" (mma); else ""
+    precision: str               # float32 inputs: "exact" (simt; mma: 3xTF32) or "tf32"; else ""
     bias: str
     bias_dtype: str
     residual: str                # "" or the data type of C in beta * C
@@ -316,7 +316,8 @@ class MatmulSpec(KernelSpec):
             raise DTypeError("a_dtype: fp8 runs on the wgmma kernel (sm_90a) or the simt fallback", arg="a_dtype")
         one_of(self.a_major, ("k", "m"), "a_major")
         one_of(self.b_major, ("k", "n"), "b_major")
-        one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
+        # float32: tf32, or "exact" as 3xTF32 split in registers
+        one_of(self.precision, ("tf32", "exact") if self.a_dtype == "float32" else ("",), "precision")
         one_of(self.bk, (16, 32, 64) if self.a_dtype == "float32" else (32, 64), "bk")
         one_of(self.stages, (2, 3, 4, 5), "stages")
         width = _size(self.a_dtype)
@@ -328,6 +329,8 @@ class MatmulSpec(KernelSpec):
                                   f"(bm {self.bm}, bn {self.bn})", arg="wm")
         if self.wm * self.wn not in (1, 2, 4, 8):
             raise ValidationError("wm/wn: 1 to 8 warps", arg="wm")
+        if self.precision == "exact" and wtm * wtn > 32 * 32:  # hi / lo fragments: 64 x 32 spilled
+            raise ValidationError(f"wm/wn: 3xTF32 warp tiles hold at most 32 x 32, not {wtm} x {wtn}", arg="wm")
 
     def _validate_simt(self):
         one_of(self.a_gather, ("",), "a_gather")
@@ -355,12 +358,19 @@ class MatmulSpec(KernelSpec):
             stage = (self.bm + self.bn) * self.bk * _size(self.a_dtype)
             return 1024 + self.stages * stage + self.wm * 4 * 2048 + 2 * 8 * self.stages + 16  # + staged output rows
         if self.kernel == "mma":
-            width = _size(self.a_dtype)
-            pad = 16 // width
-            a = self.bm * (self.bk + pad) if self.a_major == "k" else self.bk * (self.bm + pad)
-            b = self.bn * (self.bk + pad) if self.b_major == "k" else self.bk * (self.bn + pad)
-            return self.stages * (a + b) * width + 16
+            a_pad, b_pad = self.mma_pads
+            a = self.bm * (self.bk + a_pad) if self.a_major == "k" else self.bk * (self.bm + a_pad)
+            b = self.bn * (self.bk + b_pad) if self.b_major == "k" else self.bk * (self.bn + b_pad)
+            return self.stages * (a + b) * _size(self.a_dtype) + 16
         return (self.bm + self.bn) * self.bk * 4 + 16
+
+    @property
+    def mma_pads(self) -> tuple[int, int]:
+        """Elements padding each row of the mma kernel's A and B shared tiles: 16 bytes, 32 for an
+        MN-major float32 tile (its fragment reads, 8 columns by 4 rows of K, then hit 32 banks)."""
+        width = _size(self.a_dtype)
+        return tuple(32 // width if width == 4 and major != "k" else 16 // width
+                     for major in (self.a_major, self.b_major))
 
     @property
     def launch_smem(self) -> int:
@@ -399,12 +409,14 @@ class MatmulSpec(KernelSpec):
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
+            "f32": self.a_dtype == "float32", "three": self.kernel == "mma" and self.precision == "exact",
             "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather, "c_rows": self.c_rows,
             "b_gather": self.b_gather,
             "split": self.split, "finish": self.finish,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
             "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
+            "a_pad": self.mma_pads[0] if self.kernel == "mma" else 0, "b_pad": self.mma_pads[1] if self.kernel == "mma" else 0,
             "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
                                f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
             + _epilogue_pointers(self) + (["float* __restrict__ partials"] if self.finish else []),
