@@ -69,7 +69,8 @@ def matmul(a, b, bias=None, *, bias_axis="col", alpha=1.0, beta=None, residual=N
     tensor map reads is repacked first). ``bias``: N values (``bias_axis="col"``, per output column) or M
     ("row"). ``residual`` broadcastable to y, scaled by ``beta`` (default 1). ``dtype``: y's
     type (default a's; bf16 for fp8 inputs). float32 inputs: ``precision="exact"`` (float32
-    accuracy: 3xTF32 on tensor cores, sm_80 and later; fp32 FMA for strided operands and on older GPUs) or ``"tf32"``. fp8: uint8 arrays with ``a_dtype`` / ``b_dtype`` of
+    accuracy: 3xTF32 on the tensor cores; fp32 FMA for strided operands) or ``"tf32"``. fp8: uint8
+    arrays with ``a_dtype`` / ``b_dtype`` of
     "float8_e4m3" / "float8_e5m2", ``scale_a`` / ``scale_b`` one-element float32 device
     descale factors; an fp8 ``dtype`` quantizes y * ``scale_out`` (saturating) into uint8. fp8
     sums are float32 (``precision="exact"``), or the tensor core's faster, coarser ones over all

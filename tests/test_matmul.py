@@ -1,6 +1,7 @@
 """Matmul on the CPU: the float64 reference, shape / type errors, which kernel the heuristic
 picks (wgmma on aligned Hopper operands: 16-bit in either major-ness, tf32 / fp8 K-major;
-mma.sync on sm_80 and the other layouts, simt for exact fp32 and strided operands), fp8 refused on sm_80, split-K plans, the graph op and its
+mma.sync on sm_80 and the other layouts, and for float32 where wgmma's repacks cost more; simt
+for strided operands), fp8 refused on sm_80, split-K plans, the graph op and its
 fused epilogue, and the whole preset compiled for the archs that run it: no spills, HGMMA /
 QGMMA in the Hopper SASS, no local-memory traffic."""
 from __future__ import annotations
@@ -115,6 +116,12 @@ def test_heuristic_kernels():
             [("mma", precision, 16, ("y", "a", "b"))] and plan.scratch == ()
     assert _kernel(mm.plan_matmul(op("float32", (16, 4096)), weight("float32", 4096, 28672), precision="tf32",
                                   arch="sm_90")).kernel == "wgmma"   # K-major: wgmma reads it as it is
+    # sm_86 / sm_89 give a block 99 KB of shared memory: the mma tile drops stages to fit
+    for precision, m in (("exact", 48), ("tf32", 4096)):
+        for arch in ("sm_86", "sm_89"):
+            spec = _kernel(mm.plan_matmul(op("float32", (m, 4096)), op("float32", (4096, 4096)), precision=precision,
+                                          arch=arch))
+            assert spec.kernel == "mma" and mm.unsupported_reason(spec, arch) is None, (arch, spec.uri)
     strided32 = op("float32", (64, 64), (128, 2))
     assert _kernel(mm.plan_matmul(strided32, op("float32", (64, 64)), arch="sm_90")).kernel == "simt"
     # exact float32 where it pays: 3xTF32 on wgmma, both operands split into tf32 hi / lo planes

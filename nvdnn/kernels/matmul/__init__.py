@@ -22,9 +22,9 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   the partials and applies the epilogue (common/grid_finish.cuh).
 - ``mma`` (sm_80+): mma.sync m16n8k16 (fp16 / bf16) or m16n8k8 (tf32, or exact float32 as
   3xTF32 split in registers) fed by ldmatrix / shared loads from a cp.async multi-stage
-  pipeline; any unit-stride layout of A and B read in place, so on Hopper it takes float32 on
-  few rows and small exact products, where wgmma's repacks would cost most of the time
-  (``heuristic.mma_reads_in_place``). Also split-K: fp32 partials in scratch and a
+  pipeline; any unit-stride layout of A and B read in place, so on Hopper it takes float32
+  where wgmma's repacks would cost more than its faster products save (few rows, small
+  products, a narrow exact product: ``heuristic.mma_reads_in_place``). Also split-K: fp32 partials in scratch and a
   ``MatmulReduceSpec`` launch that sums them and applies the epilogue.
 - ``simt`` (any arch): float32 FMA on any strides and data types; the fallback.
 - ``skinny`` (sm_80+, ``SkinnySpec``): decode rows (at most 8, batch folded in) against a weight

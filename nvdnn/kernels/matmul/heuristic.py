@@ -13,18 +13,24 @@ WGMMA_HEURISTIC = {(128, 256, 4, 2): 1.0, (256, 128, 4, 2): 1.0, (128, 192, 5, 2
                    (256, 64, 5, 2): 0.61, (128, 64, 6, 2): 0.6, (64, 64, 6, 1): 0.55}
 
 
-SMALL_B_BYTES = 1 << 24   # B of a small product (a weight of at most 16 MiB), see _rows_tile
+SMALL_B_BYTES = 1 << 24   # B of a small product (a weight of at most 16 MiB), see _small_product
 
 
-def _rows_tile(geo, sms: int, bk: int) -> tuple:
-    """One warpgroup of 64 rows: 64 columns on a small product (128-column tiles would leave
-    half the SMs without one, B at most SMALL_B_BYTES: twice the blocks, each streaming less;
-    H100, bf16 32 x 768 x 768 5.6 us against 6.6, tf32 32 x 1000 x 2048 11.9 against 15.7; a
-    larger B splits 128-column tiles instead: bf16 8 x 4096 x 4096 ran 22.4 us on 64 x 64, 19.5
-    on 64 x 128), 128 while those fill a wave, else 256 (fewer, longer streams)."""
-    tiles = -(-geo.m // 64) * -(-geo.n // 128) * geo.batch
-    if 2 * tiles < sms and geo.n * geo.k * (128 // bk) <= SMALL_B_BYTES:
+def _small_product(geo, sms: int, width: int, bm: int) -> bool:
+    """Tiles of ``bm`` x 128 would leave half the SMs without one, and B (``width`` bytes an
+    element) is at most SMALL_B_BYTES: 64 x 64 tiles give twice the blocks, each streaming less
+    (H100: bf16 32 x 768 x 768 5.6 us against 6.6, tf32 32 x 1000 x 2048 11.9 against 15.7, fp8
+    128 x 4096 x 4096 8.6 against 14.1 on 128 x 128; a larger B splits 128-column tiles instead:
+    bf16 8 x 4096 x 4096 ran 22.4 us on 64 x 64, 19.5 on 64 x 128)."""
+    return 2 * -(-geo.m // bm) * -(-geo.n // 128) * geo.batch < sms and geo.n * geo.k * width <= SMALL_B_BYTES
+
+
+def _rows_tile(geo, sms: int, width: int) -> tuple:
+    """One warpgroup of 64 rows: 64 columns on a small product, 128 while those tiles fill a
+    wave, else 256 (fewer, longer streams)."""
+    if _small_product(geo, sms, width, 64):
         return (64, 64, 6, 1)
+    tiles = -(-geo.m // 64) * -(-geo.n // 128) * geo.batch
     return (64, 128, 6, 1) if tiles <= sms else (64, 256, 4, 1)
 
 
@@ -33,10 +39,9 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     waves of the walk ``wgmma_walk`` would plan (whole tiles, the last wave's split over the
     SMs where that models faster; a long K split over the SMs counts its units' waves). Up to 64
     rows of A (decode: a weight streamed from memory; a weight gradient's few output channels)
-    take one warpgroup of 64 rows, 128 columns while those tiles fill one wave, else 256
-    (fewer, longer streams)."""
+    take one warpgroup of 64 rows (``_rows_tile``: 64, 128 or 256 columns)."""
     if geo.m <= 64:
-        return _rows_tile(geo, sms, bk)
+        return _rows_tile(geo, sms, 128 // bk)
     slices = -(-geo.k // bk)
 
     def cost(tile):
@@ -52,7 +57,7 @@ def _wgmma_tile(geo, sms: int, bk: int = 64) -> tuple:
     return min(WGMMA_HEURISTIC, key=cost)
 
 
-def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS, precision: str = "") -> dict:
+def _heuristic_tile(kernel, req, geo, promote, sms, precision: str) -> dict:
     if kernel == "wgmma" and not promote:
         bm, bn, stages, wm = _wgmma_tile(geo, sms, 128 // _size(req.a_dtype))
         tiles = -(-geo.m // bm) * -(-geo.n // bn) * geo.batch
@@ -61,11 +66,10 @@ def _heuristic_tile(kernel, req, geo, promote, sms=DEFAULT_SMS, precision: str =
         return dict(bm=bm, bn=bn, bk=128 // _size(req.a_dtype), stages=stages, wm=wm, wn=1, group_m=8,
                     cluster=2 if (bm, bn) == (128, 256) and tiles >= 8 * sms else 1)
     if kernel == "wgmma":
-        bk = 128 // _size(req.a_dtype)
-        small = -(-geo.m // 128) * -(-geo.n // 128) * geo.batch * 2 < sms and geo.n * geo.k * (128 // bk) <= SMALL_B_BYTES
-        if geo.m <= 64 or (geo.m <= 128 and small):  # one warpgroup of 64 rows (two accumulator sets):
-            # 64 columns on a small product (fp8 128 x 4096 x 4096: 8.6 us against 14.1 on 128 x 128)
-            bn = 64 if geo.m > 64 or _rows_tile(geo, sms, bk)[1] == 64 else 128
+        width = _size(req.a_dtype)
+        bk = 128 // width
+        if geo.m <= 64 or (geo.m <= 128 and _small_product(geo, sms, width, 128)):  # one warpgroup of 64 rows
+            bn = 64 if geo.m > 64 or _rows_tile(geo, sms, width)[1] == 64 else 128  # (two accumulator sets)
             return dict(bm=64, bn=bn, bk=bk, stages=6, wm=1, wn=1, group_m=8)
         if geo.n <= 128 or geo.m * geo.n * geo.batch <= 2048 * 2048:
             return dict(bm=128, bn=128, bk=bk, stages=5, wm=2, wn=1, group_m=8)
@@ -194,7 +198,7 @@ def wgmma_walk(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SM
 def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_SMS) -> int:
     """K ranges of the mma and SIMT kernels (the wgmma kernel's walk: ``wgmma_walk``): asked
     for (at most one a K slice), or when the output tiles fill less than half the GPU and K is
-    long (each range keeps at least 512 of K)."""
+    long (each range keeps at least 512 of K; MMA_F32_MIN_CHUNK on float32 tiles of up to 64 rows)."""
     if split_k is not None:
         return max(1, min(int(split_k), -(-geo.k // spec.bk)))
     tiles = -(-geo.m // spec.bm) * -(-geo.n // spec.bn) * geo.batch
@@ -212,15 +216,16 @@ def split_count(spec: MatmulSpec, geo, split_k: int | None, sms: int = DEFAULT_S
 # read again (3x its bytes), for 3xTF32 read, written as three planes and read (7x). The mma
 # kernel reads both as they lie (3xTF32 split in registers) at a fraction of wgmma's tensor rate,
 # and copies of fewer than 16 bytes (a prime K) slow its reads. ``mma_reads_in_place`` weighs the
-# two rooflines; its rates are this kernel's on the H100 (session 15, forced tiles: 512 x 4096 x
-# 4096 tf32 on 64 x 128 tiles 189 us, 3xTF32 448 us). Measured with it: tf32 16 x 28672 x 4096
+# two rooflines; its rates are this kernel's on the H100 where the choice is close (session 15,
+# forced tiles, 128 x 4096 x 4096: tf32 59 us, 73 TFLOP/s; 3xTF32 121 us, 106; at 512 rows it ran
+# 91 and 115, where wgmma wins either way). Measured with it: tf32 16 x 28672 x 4096
 # a @ b 493 -> 174 us, exact 32 x 8192 x 28672 2338 -> 425 us, exact 128 x 4096 x 4096 191 -> 121
 # us; tf32 batched p @ v (48 x 512 x 64 x 512: half of mma's 128-column tiles padding) stays
 # on wgmma (mma 48.3 us against 31.9).
 MMA_TF32_TFLOPS = 70      # mma.sync tf32 products of this kernel
 MMA_3XTF32_TFLOPS = 105   # the same counting 3xTF32's three products (more products a fragment load)
 WGMMA_TF32_TFLOPS = 300   # wgmma tf32 (a tile of 64 rows: M / 64 of it for fewer rows)
-COPY_TBS = 3.0
+COPY_TBS = 3.0            # bytes a second (TB/s) either kernel streams its operands at
 MMA_F32_MIN_CHUNK = 256   # K of a split range on few rows (the copies stay busy from there)
 
 
@@ -247,8 +252,8 @@ def mma_f32_tile(m: int, n: int, k: int, precision: str) -> dict:
     """The mma tile of float32 A by rows: 16 or 32 rows by 128 columns in warps of 16 or 32 x 32
     (16 rows to 32 on a small weight of up to 2^22 elements, 32 to 128 on one: more blocks, each
     streaming less; H100, exact 77 x 3072 x 768 22.0 us against 28.2 on 64 x 64); else 64 x 128
-    (tf32 warps of 32 x 64, to 128 rows; 3xTF32 holds 190-220 registers at 32 x 32, so 64 x 64
-    past 64 rows); tf32 past 128 rows 128 x 128 (sm_80's GEMM)."""
+    (tf32 warps of 32 x 64, to 128 rows; 3xTF32 holds 214-245 registers at 32 x 32 on sm_90, up
+    to 255 on sm_80, so 64 x 64 past 64 rows); tf32 past 128 rows 128 x 128 (sm_80's GEMM)."""
     small = n * k <= 1 << 22
     if m <= 16 or (m <= 32 and small):
         return dict(bm=16, bn=128, bk=32, stages=4, wm=1, wn=4, group_m=8)

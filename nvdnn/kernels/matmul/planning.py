@@ -20,7 +20,7 @@ from .skinny import SkinnySpec, plan_skinny
 from .tensor_maps import Im2colA, TensorMapArg
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
                     MatmulSpec, MatmulZeroSpec, Norm, _epilogue_roles, _size, check_norm, check_operand_types,
-                    check_precision, epilogue_args)
+                    check_precision, epilogue_args, smem_limit)
 
 # -- planning ---------------------------------------------------------------------------------------
 
@@ -329,8 +329,11 @@ def _choose(req: Request, geo: Geometry, precision, a_info, b_info, arch_n, tile
                 except ValidationError:
                     break
     kernel, fields = options[0]
-    return MatmulSpec(kernel=kernel, **base, **fields,
+    spec = MatmulSpec(kernel=kernel, **base, **fields,
                       **_heuristic_tile(kernel, req, geo, fields.get("promote", False), sms, fields["precision"]))
+    while spec.kernel == "mma" and spec.smem_bytes > smem_limit(arch_n) and spec.stages > 2:
+        spec = dataclasses.replace(spec, stages=spec.stages - 1)   # sm_86 / sm_89: 99 KB a block
+    return spec
 
 
 def _kernel_options(req, geo, precision, a_info, b_info, arch_n) -> list:

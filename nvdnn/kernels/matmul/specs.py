@@ -30,8 +30,14 @@ PRECISION_CHOICES = {"float32": ("exact", "tf32"), "float16": ("exact",), "bfloa
 A_MAJORS, B_MAJORS = ("k", "m", "any"), ("k", "n", "any")
 TILE_MN = (16, 32, 64, 128, 192, 256)
 TILE_K = (8, 16, 32, 64, 128)
-SMEM_LIMIT = 227 * 1024                 # dynamic shared memory per block on sm_90 (sm_80: 163 KB)
-SMEM_LIMIT_SM80 = 163 * 1024
+SMEM_LIMIT = 227 * 1024                 # dynamic shared memory per block on sm_90 (smem_limit: others)
+
+
+def smem_limit(arch_number: int) -> int:
+    """Dynamic shared memory a block may take: sm_90 227 KB, sm_80 / sm_87 163 KB, sm_86 / sm_89 99 KB."""
+    return SMEM_LIMIT if arch_number >= 90 else 99 * 1024 if arch_number in (86, 89) else 163 * 1024
+
+
 INT32_MAX = 2 ** 31 - 1
 DEFAULT_SMS = 132                       # H100 / H200 SXM: a persistent grid's size without a device
 _CTYPE = {"float32": "float", "float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16",
@@ -408,15 +414,16 @@ class MatmulSpec(KernelSpec):
             "b_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.b_dtype, "f32"),
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
-            "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8, "tf32": self.precision == "tf32",
-            "f32": self.a_dtype == "float32", "three": self.kernel == "mma" and self.precision == "exact",
+            "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8,
+            "f32_inputs": self.a_dtype == "float32", "three_tf32": self.kernel == "mma" and self.precision == "exact",
             "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather, "c_rows": self.c_rows,
             "b_gather": self.b_gather,
             "split": self.split, "finish": self.finish,
             "bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "wm": self.wm, "wn": self.wn,
             "group_m": self.group_m, "cluster": self.cluster, "promote": self.promote, "vec": self.vec, "threads": self.threads, "in_size": _size(self.a_dtype),
             "wgmma_k": 32 // _size(self.a_dtype) if self.a_dtype != "float32" else 8,
-            "a_pad": self.mma_pads[0] if self.kernel == "mma" else 0, "b_pad": self.mma_pads[1] if self.kernel == "mma" else 0,
+            "a_pad": self.mma_pads[0] if self.kernel == "mma" else 0,
+            "b_pad": self.mma_pads[1] if self.kernel == "mma" else 0,
             "pointer_params": [("float" if self.split else "out_t") + "* __restrict__ y",
                                f"const {in_t}* __restrict__ a", f"const {_CTYPE[self.b_dtype]}* __restrict__ b"]
             + _epilogue_pointers(self) + (["float* __restrict__ partials"] if self.finish else []),
@@ -508,7 +515,7 @@ def unsupported_reason(spec, arch: str) -> str | None:
     if isinstance(spec, MatmulSpec):
         if spec.kernel == "wgmma" and number != 90:
             return f"wgmma runs on sm_90a (Hopper) only; {arch} is not Hopper"
-        limit = SMEM_LIMIT if number >= 90 else SMEM_LIMIT_SM80
+        limit = smem_limit(number)
         if spec.smem_bytes > limit:
             return f"{spec.smem_bytes} bytes of shared memory exceed the {limit} of {arch}"
     return None

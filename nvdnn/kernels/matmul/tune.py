@@ -23,7 +23,7 @@ MMA_TILES = ((128, 128, 32, 4, 2, 4), (128, 128, 32, 3, 2, 4), (128, 256, 32, 3,
              (128, 64, 32, 4, 4, 2), (64, 128, 32, 4, 2, 2))
 MMA_TILES_TF32 = ((128, 128, 32, 3, 2, 4), (128, 128, 16, 4, 2, 4), (64, 64, 32, 3, 2, 2), (128, 64, 32, 3, 4, 2),
                   (64, 128, 32, 4, 2, 4), (32, 128, 32, 4, 1, 4), (16, 128, 32, 4, 1, 4), (32, 64, 32, 4, 1, 2),
-                  (16, 64, 32, 4, 1, 2))   # the last five: few float32 rows (heuristic.mma_f32_tile)
+                  (16, 64, 32, 4, 1, 2), (64, 128, 32, 4, 2, 2), (64, 64, 32, 4, 2, 2))   # few float32 rows
 SIMT_TILES = ((64, 64, 16), (128, 128, 8), (128, 64, 16), (32, 32, 32))
 
 
@@ -121,6 +121,10 @@ def preset() -> list:
         add(plan_matmul(f32, f32, precision="tf32", arch=arch))
         add(plan_matmul(f32, op("float32", (big, big), (1, big)), precision="tf32", arch=arch))
         add(plan_matmul(op("float32", (16, 768)), op("float32", (768, 3072), (1, 768)), precision="tf32", arch=arch))
+        for rows in (16, 48, 128):   # few float32 rows on mma.sync: an N-major weight read in place
+            for precision in ("exact", "tf32"):
+                add(plan_matmul(op("float32", (rows, 4096)), op("float32", (4096, 28672)), precision=precision,
+                                bias=op("float32", (28672,)), epilogue=[("gelu", "")], arch=arch))
         for w_t in (op("float32", (4096, 4096), (1, 4096)), op("float32", (4096, 4096))):   # decode rows: skinny
             for rows in (1, 2, 4, 8):
                 add(plan_matmul(op("float32", (rows, 4096)), w_t, arch=arch))
