@@ -17,7 +17,7 @@ from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
 from .heuristic import _heuristic_tile, mma_reads_in_place, split_count, sums_in_second_launch, wgmma_walk
 from .skinny import SkinnySpec, plan_skinny
-from .tensor_maps import Im2colA, TensorMapArg
+from .tensor_maps import Im2colA, operand_map
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
                     MatmulSpec, MatmulZeroSpec, Norm, _epilogue_roles, _size, check_norm, check_operand_types,
                     check_precision, epilogue_args, smem_limit)
@@ -486,9 +486,9 @@ def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, work: int, gather
     gather, b_gather = gathers
     chunk = 128 // _size(spec.b_dtype)   # an N-major B's box: 128 bytes of N
     a_map = (gather.tensor_map(1, spec.bk, spec.bm) if gather else
-             _operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm))
+             operand_map(1, spec.a_dtype, spec.a_major == "k", m, k, a_sm, a_sk, geo.a[2], batch, spec.bk, spec.bm))
     b_map = (b_gather.tensor_map(2, chunk, spec.bk) if b_gather else
-             _operand_map(2, spec.b_dtype, spec.b_major == "k", n, gather.b_k if gather else k, b_sn, b_sk,
+             operand_map(2, spec.b_dtype, spec.b_major == "k", n, gather.b_k if gather else k, b_sn, b_sk,
                           geo.b[2], batch, spec.bk, spec.bn // spec.cluster))
     maps = (a_map, b_map)
     c = spec.cluster
@@ -496,19 +496,6 @@ def _wgmma_launch(spec, geo: Geometry, a_str, b_str, sms: int, work: int, gather
     return maps, grid, (np.int32(1 if geo.a[2] else 0), np.int32(1 if geo.b[2] else 0)) + (
         gather.args(spec.bk) if gather else b_gather.args(chunk) if b_gather else ()) + (
         (np.int32(rows[0]), np.int32(rows[1]), *(np.int64(v) for v in rows[2:])) if rows else ())
-
-
-def _operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:
-    """The tensor map of a wgmma operand of ``rows`` (M or N) x K: K-major, a (K, rows, batch)
-    tensor read in (BK, box_rows) boxes; MN-major, a (rows, K, batch) tensor read in boxes of one
-    128-byte row of MN by BK (the kernel takes box_rows / 64 of them)."""
-    width = _size(dtype)
-    batches = batch if s_batch else 1
-    if k_major:
-        return TensorMapArg(pointer, dtype, (k, rows, batches), (s_row * width, (s_batch or rows * s_row) * width),
-                            (bk, box_rows, 1))
-    return TensorMapArg(pointer, dtype, (rows, k, batches), (s_k * width, (s_batch or k * s_k) * width),
-                        (128 // width, bk, 1))
 
 
 def _checked_grid(grid: tuple) -> tuple:

@@ -33,6 +33,19 @@ class TensorMapArg(NamedTuple):
             [driver.cuuint32_t(1)] * 3, *_modes(driver)))
 
 
+def operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:
+    """The tensor map of a wgmma operand of ``rows`` (M or N) x K: K-major, a (K, rows, batch)
+    tensor read in (BK, box_rows) boxes; MN-major, a (rows, K, batch) tensor read in boxes of one
+    128-byte row of MN by BK (the kernel takes box_rows / 64 of them)."""
+    width = dtypes.BY_NAME[dtype].itemsize
+    batches = batch if s_batch else 1
+    if k_major:
+        return TensorMapArg(pointer, dtype, (k, rows, batches), (s_row * width, (s_batch or rows * s_row) * width),
+                            (bk, box_rows, 1))
+    return TensorMapArg(pointer, dtype, (rows, k, batches), (s_k * width, (s_batch or k * s_k) * width),
+                        (128 // width, bk, 1))
+
+
 class Im2colMapArg(NamedTuple):
     """An im2col map over an NHWC image (launch pointer ``pointer``): dims (C, W, H, N), strides
     of W, H, N in bytes, the bounding box of a tap's pixels as (W, H) corner offsets, a box of
