@@ -236,15 +236,15 @@ def mma_reads_in_place(geo, precision: str, repacked: tuple[bool, bool], vec: in
     three = precision == "exact"
     if not (three or any(repacked)):
         return False
+    passes = 3 if three else 1
     tile = mma_f32_tile(geo.m, geo.n, geo.k, precision)   # the products its tiles compute, padding included
-    flops = 2 * geo.batch * -(-geo.m // tile["bm"]) * tile["bm"] * -(-geo.n // tile["bn"]) * tile["bn"] * geo.k \
-        * (3 if three else 1)
+    flops = 2 * geo.batch * -(-geo.m // tile["bm"]) * tile["bm"] * -(-geo.n // tile["bn"]) * tile["bn"] * geo.k * passes
     sizes = (4 * geo.m * geo.k * (geo.batch if geo.a[2] else 1), 4 * geo.n * geo.k * (geo.batch if geo.b[2] else 1))
     extra = sum(size * (6 if three else 2) for size, copied in zip(sizes, repacked) if copied or three)
     mma = max(flops / ((MMA_3XTF32_TFLOPS if three else MMA_TF32_TFLOPS) * 1e12),
               sum(sizes) / (COPY_TBS * 1e12 * min(1.0, vec / 4)))
-    wgmma = max(2 * geo.batch * geo.m * geo.n * geo.k * (3 if three else 1)
-                / (WGMMA_TF32_TFLOPS * 1e12 * min(1.0, geo.m / 64)), (sum(sizes) + extra) / (COPY_TBS * 1e12))
+    wgmma = max(2 * geo.batch * geo.m * geo.n * geo.k * passes / (WGMMA_TF32_TFLOPS * 1e12 * min(1.0, geo.m / 64)),
+                (sum(sizes) + extra) / (COPY_TBS * 1e12))
     return mma < wgmma
 
 
