@@ -52,12 +52,6 @@ def signature(value, arrays: list, addresses: list):
     16-byte alignment and device (each appended to ``arrays``, its address to ``addresses``);
     streams by handle; every other value with its type (True and 1 differ)."""
     kind = type(value)
-    if kind is NDARRAY:  # the common case first
-        data = value.data
-        address = data.ptr
-        arrays.append(value)
-        addresses.append(address)
-        return value.shape, value.strides, value.dtype, address & 15, data.device_id
     if kind in PLAIN:
         if value != value:  # NaN: equal to nothing, so no replay would ever match
             raise Unreadable
@@ -99,5 +93,3 @@ def overlaps(addresses: list, spans: tuple) -> tuple:
     return tuple(out)
 
 
-
-NDARRAY = None  # cupy.ndarray once cupy is imported (callsite sets it): checked first

@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import call_signature
 from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
 
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
-_REPLAYS: dict = {}
+SEEN_LIMIT = 64    # address tuples whose overlap pattern a signature remembers
+_REPLAYS: dict = {}  # signature -> (the arrays' spans, {overlap pattern: Replay}, {addresses: overlap pattern})
 _LOCAL = threading.local()  # .recording: the Recording of the call under way, if any
 _ACTIVE = 0                 # recordings under way in all threads (most calls need not look further)
 STATS = {"hits": 0, "recorded": 0, "not_kept": 0}
@@ -110,19 +110,19 @@ def resolve(args) -> tuple:
 # -- replays ----------------------------------------------------------------------------------------
 
 class _Output(NamedTuple):
-    torch: bool
+    torch: object          # the torch.device of a torch output, else None (a CuPy array on the current device)
     shape: tuple
-    strides: tuple       # in bytes (CuPy), in elements (torch): as each allocates
+    strides: tuple | None  # None where C-contiguous; else in bytes (CuPy), in elements (torch): as each allocates
     dtype: object
-    nbytes: int
+    nbytes: int            # what to allocate (at least 1)
 
 
 class Replay(NamedTuple):
-    launches: tuple      # a _Launch per kernel
     outputs: tuple       # _Output per array the call allocated and returned
     scratch: tuple       # bytes per scratch buffer
+    launches: tuple      # a _Launch per kernel
     result: object       # ("in", i) / ("out", j) / None, or a tuple of those
-    torch_stream: int    # -1, or the torch input whose device's current torch stream the launches take
+    torch_stream: int    # -1, or the device whose current torch stream the launches take (that of the torch inputs)
 
 
 class _NotKept(Exception):
@@ -157,8 +157,9 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         low, high = span(meta)
         if low:
             raise _NotKept
-        torch = read is torch_meta
-        outputs.append(_Output(torch, meta[0], tuple(value.stride()) if torch else meta[1], meta[2], high))
+        torch = value.device if read is torch_meta else None
+        strides = None if meta[1] == _contiguous(meta) else tuple(value.stride()) if torch else meta[1]
+        outputs.append(_Output(torch, meta[0], strides, meta[2], max(high, 1)))
         add("out", len(outputs) - 1, meta)
         return ("out", len(outputs) - 1)
 
@@ -172,8 +173,18 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
-    torch_input = next((i for i, x in enumerate(arrays) if reader(type(x)) is torch_meta), -1) if torch_stream else -1
-    return Replay(launches, tuple(outputs), tuple(size for _, size in rec.scratch), shape, torch_input)
+    torch_device = next((d for x in arrays if reader(type(x)) is torch_meta and (d := x.get_device()) >= 0),
+                        -1) if torch_stream else -1
+    return Replay(tuple(outputs), tuple(size for _, size in rec.scratch), launches, shape, torch_device)
+
+
+def _contiguous(meta) -> tuple:
+    """C-contiguous byte strides of an array's shape and dtype."""
+    shape, strides, size = meta[0], [], meta[2].itemsize
+    for n in reversed(shape):
+        strides.append(size)
+        size *= n
+    return tuple(reversed(strides))
 
 
 def _source(a, rec: Recording, ranges: list):
@@ -217,14 +228,14 @@ class _Launch(NamedTuple):
     block: tuple
     shared_mem: int
     template: list
-    fills: tuple     # (slot, 0 input | 1 output | 2 scratch, index, byte offset, how the slot is passed)
-    deferred: tuple  # (slot, argument) per argument resolved at launch (a TMA tensor map)
-    resolved: dict   # (slot, address) -> that argument's value, as the launch passes it
+    objects: tuple    # (slot, 0 input | 1 output | 2 scratch, index): the array itself (CuPy reads it fastest)
+    addresses: tuple  # (slot, kind, index, byte offset, as a CuPy pointer): an address, or one inside an array
+    deferred: tuple   # (slot, argument) per argument resolved at launch (a TMA tensor map)
+    resolved: dict    # (slot, address) -> that argument's value, as the launch passes it
 
 
 DEPENDENT_MIN_BYTES = 64 << 20  # a replay moving less launches dependent kernels the ordinary way
 RESOLVED_LIMIT = 64             # tensor maps a launch keeps, per slot and address
-_ADDRESS, _POINTER, _ARRAY = 0, 1, 2   # a pointer slot takes: the address (an int), a CuPy pointer, the array
 
 
 def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes: int) -> _Launch:
@@ -240,7 +251,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     cupy_launch = not isinstance(function, DependentFunction)
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
     mapped = {arg.pointer for _, arg in deferred}
-    template, fills = [], []
+    template, objects, addresses = [], [], []
     for slot, source in enumerate(sources):
         if source[0] == "c":
             value = source[1]
@@ -250,38 +261,40 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
             continue
         kind, index, offset = _KINDS[source[0]], source[1], source[2]
         cupy_array = (reader(type(arrays[index])) is cupy_meta if kind == 0 else
-                      not outputs[index].torch if kind == 1 else True)
-        passed = (_ADDRESS if not cupy_launch or slot in mapped else
-                  _ARRAY if offset == 0 and cupy_array else _POINTER)  # CuPy reads its own arrays' addresses fastest
+                      outputs[index].torch is None if kind == 1 else True)
         template.append(None)
-        fills.append((slot, kind, index, offset, passed))
-    return _Launch(function, grid, block, shared_mem, template, tuple(fills), deferred, {})
+        if cupy_launch and slot not in mapped and offset == 0 and cupy_array:
+            objects.append((slot, kind, index))
+        else:
+            addresses.append((slot, kind, index, offset, cupy_launch and slot not in mapped))
+    return _Launch(function, grid, block, shared_mem, template, tuple(objects), tuple(addresses), deferred, {})
 
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
     """Launch a replay on this call's arrays: allocate its outputs and scratch, fill the pointers."""
-    if replay.torch_stream >= 0 and stream is None:
-        stream = _torch_current(arrays[replay.torch_stream].get_device())
-    made = [_allocate(o) for o in replay.outputs]
-    scratch = [_CUPY.cuda.alloc(size) for size in replay.scratch] if replay.scratch else ()  # MemoryPointers
+    outputs, scratch_sizes, launches, result, torch_device = replay
+    if torch_device >= 0 and stream is None:
+        stream = _torch_current(torch_device)
+    made = [_allocate(o) for o in outputs] if outputs else ()
+    scratch = [_CUPY.cuda.alloc(size) for size in scratch_sizes] if scratch_sizes else ()  # MemoryPointers
     objects = (arrays, made, scratch)
-    places = (addresses, None, None)
-    for launch in replay.launches:
-        args = launch.template.copy()
-        for slot, kind, index, offset, passed in launch.fills:
-            if passed == _ARRAY:
-                args[slot] = objects[kind][index]
-            else:
-                if places[kind] is None:
-                    places = _addresses(places, objects, kind)
+    places = None
+    for launch in launches:
+        function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _ = launch
+        args = template.copy()
+        for slot, kind, index in fills:
+            args[slot] = objects[kind][index]
+        if pointer_fills:
+            places = places or (addresses, [x.data.ptr if o.torch is None else x.data_ptr() for x, o in zip(made, outputs)],
+                                [m.ptr for m in scratch])
+            for slot, kind, index, offset, cupy_pointer in pointer_fills:
                 address = places[kind][index] + offset
-                args[slot] = _CUPY.cuda.function.CIntptr(address) if passed == _POINTER else address
-        for slot, arg in launch.deferred:
+                args[slot] = _CUPY.cuda.function.CIntptr(address) if cupy_pointer else address
+        for slot, arg in deferred:
             args[slot] = _resolved(launch, slot, arg, args[arg.pointer])
-        launch.function(launch.grid, launch.block, args, shared_mem=launch.shared_mem, stream=stream)
-    result = replay.result
-    if result is not None and result[0] == "out":
-        return made[result[1]]
+        function(grid, block, args, shared_mem=shared_mem, stream=stream)
+    if result is not None and type(result[0]) is str:  # one array: ("in" | "out", index)
+        return (arrays if result[0] == "in" else made)[result[1]]
     return _result(result, arrays, made)
 
 
@@ -306,11 +319,6 @@ def _dependent():
     return DependentFunction
 
 
-def _addresses(places, objects, kind):
-    found = [x.ptr if kind == 2 else reader(type(x))(x)[3] for x in objects[kind]]
-    return tuple(found if k == kind else p for k, p in enumerate(places))
-
-
 def _result(shape, arrays, made):
     if shape is None:
         return None
@@ -320,16 +328,14 @@ def _result(shape, arrays, made):
 
 
 def _allocate(output: _Output):
-    if output.torch:
-        torch = _torch()
-        device = _CUPY.cuda.runtime.getDevice()
-        where = _TORCH_DEVICES.get(device) or _TORCH_DEVICES.setdefault(device, torch.device("cuda", device))
-        return torch.empty_strided(output.shape, output.strides, dtype=output.dtype, device=where)
-    memory = _CUPY.cuda.alloc(max(output.nbytes, 1))
-    return _CUPY.ndarray(output.shape, output.dtype, memory, strides=output.strides)
-
-
-_TORCH_DEVICES: dict = {}
+    if output.torch is not None:
+        if output.strides is None:
+            return _TORCH.empty(output.shape, dtype=output.dtype, device=output.torch)
+        return _TORCH.empty_strided(output.shape, output.strides, dtype=output.dtype, device=output.torch)
+    cp = _CUPY
+    if output.strides is None:
+        return cp.ndarray(output.shape, output.dtype, cp.cuda.alloc(output.nbytes))
+    return cp.ndarray(output.shape, output.dtype, cp.cuda.alloc(output.nbytes), strides=output.strides)
 
 
 _STREAMS: dict = {}
@@ -339,11 +345,11 @@ def _torch_stream(arrays):
     """torch's current stream on the torch inputs' device, as a CuPy stream; None where no
     torch input is on a GPU (the full path then says what is wrong)."""
     device = next((x.get_device() for x in arrays if reader(type(x)) is torch_meta and x.get_device() >= 0), None)
-    return None if device is None else _torch_current(device)
+    return None if device is None or _torch() is None else _torch_current(device)
 
 
 def _torch_current(device: int):
-    handle = _torch()._C._cuda_getCurrentRawStream(device)
+    handle = _TORCH._C._cuda_getCurrentRawStream(device)
     stream = _STREAMS.get(handle)
     if stream is None:
         stream = _STREAMS[handle] = _CUPY.cuda.ExternalStream(handle, device)
@@ -361,13 +367,13 @@ def _torch():
 
 _TORCH = None
 _CUPY = None  # the cupy module, imported at the first call (nvdnn imports without it)
+_NDARRAY = None  # cupy.ndarray, then
 
 
 def _load_cupy():
-    global _CUPY
+    global _CUPY, _NDARRAY
     import cupy
-    _CUPY = cupy
-    call_signature.NDARRAY = cupy.ndarray
+    _CUPY, _NDARRAY = cupy, cupy.ndarray
     return cupy
 
 
@@ -377,28 +383,36 @@ def fast(function):
     """Give public ``function`` the recorded fast path (see the module's docstring)."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        if recording() is not None:  # inside another public call's recording: part of it
+        if _ACTIVE and recording() is not None:  # inside another public call's recording: part of it
             return function(*args, **kwargs)
         arrays, addresses = [], []
         try:
-            key = [call, (_CUPY or _load_cupy()).cuda.runtime.getDevice()]
-            for value in args:
-                key.append(signature(value, arrays, addresses))
-            for name, value in kwargs.items():
-                key.append(name)
-                key.append(signature(value, arrays, addresses))
+            key = [call, (_CUPY or _load_cupy()).cuda.runtime.getDevice(), tuple(kwargs) if kwargs else ()]
+            for value in args + tuple(kwargs.values()) if kwargs else args:
+                if type(value) is _NDARRAY:  # signature()'s reading of a CuPy array, inline: the hot case
+                    data = value.data
+                    address = data.ptr
+                    arrays.append(value)
+                    addresses.append(address)
+                    key.append((value.shape, value.strides, value.dtype, address & 15, data.device_id))
+                else:
+                    key.append(signature(value, arrays, addresses))
             key = tuple(key)
             entry = _REPLAYS.get(key)
         except Exception:  # unhashable values; cupy not imported yet; no device: the full path says so
             key, entry = None, None
         if entry is not None:
-            spans, replays = entry
-            if len(addresses) == 2:  # the common case, inline: None where the two are apart
-                a, b = addresses
-                overlap = (None if a + spans[0][1] <= b + spans[1][0] or b + spans[1][1] <= a + spans[0][0]
-                           else b - a),
+            spans, replays, seen = entry
+            if len(addresses) > 1:
+                where = tuple(addresses)
+                overlap = seen.get(where)
+                if overlap is None:  # addresses not met lately (a caching allocator hands the same out again)
+                    overlap = overlaps(addresses, spans)
+                    if len(seen) >= SEEN_LIMIT:
+                        seen.clear()
+                    seen[where] = overlap
             else:
-                overlap = overlaps(addresses, spans) if addresses else ()
+                overlap = ()
             replay = replays.get(overlap)
             if replay is not None:
                 STATS["hits"] += 1
@@ -429,7 +443,7 @@ def _record(function, args, kwargs, key, arrays, addresses):
     if entry is None or entry[0] != spans:
         if len(_REPLAYS) >= PLAN_LIMIT:
             _REPLAYS.pop(next(iter(_REPLAYS)))
-        entry = _REPLAYS[key] = (spans, {})
+        entry = _REPLAYS[key] = (spans, {}, {})
     entry[1][overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
     STATS["recorded"] += 1
     return result

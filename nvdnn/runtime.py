@@ -56,9 +56,10 @@ def _load(binary: KernelBinary, device_id: int):
     return found
 
 
-# kernel parameter slots (8 bytes each, as the driver reads them) by argument type
-_SLOT = {np.dtype(np.int32): "i4x", np.dtype(np.uint32): "I4x", np.dtype(np.float32): "f4x",
-         np.dtype(np.int64): "q", np.dtype(np.uint64): "Q", np.dtype(np.float64): "d"}
+# kernel parameter slots (8 bytes each, as the driver reads them) by argument type; a Python int is
+# an address (as a replayed call passes them), and so is a CuPy array
+_SLOT = {np.int32: "i4x", np.uint32: "I4x", np.float32: "f4x", np.int64: "q", np.uint64: "Q", np.float64: "d",
+         int: "Q"}
 _CONFIGS_KEPT = 256  # launch configurations a kernel keeps (by grid, block, shared memory, stream)
 
 
@@ -67,36 +68,40 @@ class DependentFunction:
     starts its blocks while the kernel ahead of it in the stream drains, and its own
     grid_dependency_wait() holds them until that kernel's writes are visible. Hides the gap
     between two kernels, about 1.5 us on the H200 (a 51 MB copy: 27.2 -> 25.7 us); CUDA graphs
-    capture it as a programmatic edge. Called as a CuPy function is; arguments are CuPy arrays
-    and NumPy scalars. Host work kept small: one launch configuration per shape and stream, one
-    parameter buffer per argument layout (the driver copies it during the call)."""
+    capture it as a programmatic edge. Called as a CuPy function is; arguments are CuPy arrays,
+    addresses (Python ints) and NumPy scalars. Host work kept small: one launch configuration per
+    shape and stream, one parameter buffer per argument layout (the driver copies it during the
+    call), the arguments packed as they come (NumPy scalars convert themselves)."""
 
     def __init__(self, plain):
+        import cupy
         from cuda.bindings import driver
         self.plain = plain  # the same kernel, launched the ordinary way (its wait is then a no-op)
         self.ptr = plain.ptr
         self._handle = driver.CUfunction(plain.ptr)
+        self._launch = driver.cuLaunchKernelEx
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._current_stream = cupy.cuda.get_current_stream
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         self._attrs = [attr]
         self._configs: dict[tuple, object] = {}
-        self._params: dict[tuple, tuple] = {}  # argument types -> (format, buffer, its pointer table)
+        self._params: dict[tuple, tuple] = {}  # argument types -> (format, buffer, its pointer table, array slots)
         self._lock = threading.Lock()
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
-        import cupy
-        from cuda.bindings import driver
-        stream = stream if stream is not None else cupy.cuda.get_current_stream()
+        stream = stream if stream is not None else self._current_stream()
         key = (tuple(grid), tuple(block), shared_mem, stream.ptr)
         config = self._configs.get(key) or self._config(key)
         kinds = param_kinds(args)
-        layout, buffer, table = self._params.get(kinds) or self._buffer(kinds)
-        values = param_values(args, kinds)
+        layout, buffer, table, arrays = self._params.get(kinds) or self._buffer(kinds)
+        if arrays:
+            args = param_values(args, kinds)
         with self._lock:  # one buffer a layout: filled and handed over in one step
-            struct.pack_into(layout, buffer, 0, *values)
-            status, = driver.cuLaunchKernelEx(config, self._handle, table, 0)
-        if status != driver.CUresult.CUDA_SUCCESS:  # as CuPy reports a failed launch
+            struct.pack_into(layout, buffer, 0, *args)
+            status, = self._launch(config, self._handle, table, 0)
+        if status != self._success:  # as CuPy reports a failed launch
             from cupy_backends.cuda.api.driver import CUDADriverError
             raise CUDADriverError(int(status))
 
@@ -114,29 +119,32 @@ class DependentFunction:
         base = ctypes.addressof(buffer)
         for i in range(n):
             buffer[n + i] = base + 8 * i
-        found = self._params[kinds] = (param_format(kinds), buffer, base + 8 * n)
+        arrays = any(_is_array(k) for k in kinds)
+        found = self._params[kinds] = (param_format(kinds), buffer, base + 8 * n, arrays)
         return found
 
 
+def _is_array(kind) -> bool:
+    return kind.__name__ == "ndarray" and kind.__module__.split(".")[0] == "cupy"
+
+
 def param_kinds(args) -> tuple:
-    """Each argument's kind: None for a CuPy array (its device address), int for an address
-    given as a Python int (as a replayed call passes them), else its type."""
-    import cupy
-    return tuple(None if type(a) is cupy.ndarray else a.dtype if isinstance(a, np.generic) else type(a)
-                 for a in args)
+    """Each argument's type: what decides its slot."""
+    return tuple(map(type, args))
 
 
 def param_format(kinds: tuple) -> str:
     """The struct format of kernel arguments of these kinds, one 8-byte slot each."""
-    unknown = [getattr(k, "__name__", str(k)) for k in kinds if k is not None and k is not int and k not in _SLOT]
+    unknown = [k.__name__ for k in kinds if k not in _SLOT and not _is_array(k)]
     if unknown:
         raise TypeError(f"kernel arguments: {', '.join(unknown)} are neither CuPy arrays, addresses nor 32/64-bit "
                         "NumPy scalars")
-    return "<" + "".join("Q" if k is None or k is int else _SLOT[k] for k in kinds)
+    return "<" + "".join(_SLOT.get(k, "Q") for k in kinds)
 
 
 def param_values(args, kinds: tuple) -> list:
-    return [a.data.ptr if k is None else a if k is int else a.item() for a, k in zip(args, kinds)]
+    """The arguments as struct packs them: CuPy arrays by their device address."""
+    return [a.data.ptr if k not in _SLOT else a for a, k in zip(args, kinds)]
 
 
 def resident_grid(function, spec, grid: tuple, block: tuple, shared_mem: int) -> tuple:

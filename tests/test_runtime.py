@@ -46,9 +46,10 @@ def test_a_parameter_buffer_points_at_its_own_slots():
 
     fn = runtime.DependentFunction(Plain)
     kinds = runtime.param_kinds((np.int32(1), np.float32(2.0), np.uint64(3)))
-    layout, buffer, table = fn._buffer(kinds)
+    layout, buffer, table, arrays = fn._buffer(kinds)
     base = ctypes.addressof(buffer)
     assert layout == "<i4xf4xQ" and table == base + 24 and list(buffer)[3:] == [base, base + 8, base + 16]
+    assert not arrays  # packed as they come
 
 
 def test_dependent_specs_built_for_sm90_launch_as_dependent_grids(monkeypatch):
