@@ -205,10 +205,10 @@ def test_forward_spec_validation(changes, arg):
 
 
 def test_other_spec_validation():
-    base = dict(kind="max", source="indices", layout="nhwc", dtype="float16", dx_dtype="float16", x_dtype="",
+    base = dict(kind="max", source="indices", layout="nhwc", dtype="float16", dx_dtype="float16",
                 indices="int64", divisor="", vec=8, index="int32")
     pool.Pool2dBackwardSpec(**base)
-    for changes, arg in ((dict(source=""), "source"), (dict(x_dtype="float16"), "x_dtype"),
+    for changes, arg in ((dict(source=""), "source"), (dict(source="x"), "source"),
                          (dict(indices=""), "indices"), (dict(kind="avg"), "source")):
         with pytest.raises(ValidationError) as info:
             pool.Pool2dBackwardSpec(**{**base, **changes})
@@ -380,9 +380,11 @@ def test_backward_plans():
     launch = pool.plan_pool2d_backward("max", dy, shape, 3, 2, 1, ceil_mode=True, indices=idx).launches[0]
     assert launch.pointers == ("dx", "dy", "indices") and launch.spec.vec == 8
     assert [int(a) for a in launch.args[:6]] == [2, 64, 13, 13, 7, 7]
-    launch = pool.plan_pool2d_backward("max", dy, shape, 3, 2, 1, ceil_mode=True, x=_x(shape, "float32", "NHWC"))\
-        .launches[0]
-    assert launch.pointers == ("dx", "dy", "x") and launch.spec.vec == 4 and launch.spec.x_dtype == "float32"
+    plan = pool.plan_pool2d_backward("max", dy, shape, 3, 2, 1, ceil_mode=True, x=_x(shape, "float32", "NHWC"))
+    forward, gather = plan.launches  # from x: the forward's argmax into scratch, then the gather from it
+    assert forward.pointers == ("scratch0", "scratch1", "x") and forward.spec.indices == "int32"
+    assert gather.pointers == ("dx", "dy", "scratch1") and gather.spec.source == "indices"
+    assert plan.scratch == (4 * 2 * 64 * 7 * 7,) * 2
     launch = pool.plan_pool2d_backward("avg", dy, shape, 3, 2, 1, ceil_mode=True, count_include_pad=False,
                                        dx_dtype="float32").launches[0]
     assert launch.pointers == ("dx", "dy") and launch.spec.divisor == "exclude_pad"
