@@ -421,12 +421,14 @@ def _affine_walk(launch) -> dict:
     seen = defaultdict(list)
     gx, gy, _ = launch.grid
     for bx, by, t in itertools.product(range(gx), range(gy), range(spec.block)):
-        if spec.layout == "row":
+        if spec.layout == "row":  # spec.bx planes a block, span threads each
+            span = spec.block // spec.bx
+            plane, lane = bx * spec.bx + t // span, t % span
             for u in range(spec.unroll):
-                v = by * spec.block * spec.unroll + u * spec.block + t
-                if v < a["lv"]:
+                v = by * span * spec.unroll + u * span + lane
+                if v < a["lv"] and plane < a["n_planes"]:
                     for j in range(spec.vec):
-                        seen[bx * a["lv"] * spec.vec + v * spec.vec + j].append(bx % a["pmod"])
+                        seen[plane * a["lv"] * spec.vec + v * spec.vec + j].append(plane % a["pmod"])
             continue
         tx, ty, by_ = t % spec.bx, t // spec.bx, spec.block // spec.bx
         c0 = (by * spec.bx + tx) * spec.vec
@@ -444,7 +446,7 @@ def _affine_walk(launch) -> dict:
 
 def test_affine_walks_cover_every_element_with_its_channel():
     for shape, layout in (((3, 8, 5, 7), "NCHW"), ((4, 24, 3, 3), "NHWC"), ((7, 12), "NHWC"), ((2, 5, 64), "NCHW"),
-                          ((3, 16, 37, 29), "NHWC")):
+                          ((3, 16, 37, 29), "NHWC"), ((3, 7, 14, 14), "NCHW"), ((2, 9, 40, 41), "NCHW")):
         strides = dense(shape) if layout == "NCHW" else nhwc(shape)
         c = shape[1]
         x = op(shape, "float16", strides)

@@ -96,7 +96,7 @@ class AffineSpec(KernelSpec):
     steps: tuple         # epilogue (op, rhs) steps
     vec: int
     index: str
-    bx: int = 32         # col layout: threads along channels
+    bx: int = 32         # col layout: threads along channels; row layout: planes a block (small planes)
     block: int = 256
     unroll: int = 4
     min_blocks: int = 1  # __launch_bounds__ occupancy hint (grid-strided col layout: fill every SM)
@@ -136,6 +136,9 @@ class AffineSpec(KernelSpec):
             raise ValidationError("per_sample: a col layout with coefficient records", arg="per_sample")
         if self.layout == "col" and self.bx * 2 > self.block:
             raise ValidationError(f"bx: {self.bx} exceeds half a block of {self.block}", arg="bx")
+        if self.layout == "row" and self.block // self.bx < 32:
+            raise ValidationError(f"bx: {self.bx} planes a block of {self.block} leave a plane less than a warp",
+                                  arg="bx")
         widest = max(dtypes.BY_NAME[self.input].itemsize, dtypes.BY_NAME[self.output].itemsize)
         if self.vec * widest > 16:
             raise ValidationError(f"vec: {self.vec} elements of {widest} bytes exceed 16 bytes", arg="vec")
@@ -167,7 +170,7 @@ class AffineSpec(KernelSpec):
     def render_context(self) -> dict:
         types = {"y": "out_t*", "dy": "const in_t*", "x": "const in_t*", "coef": "const float4*"}
         n_params = chain_params(self.steps)
-        ints = ["lv", "pmod"] if self.layout == "row" else ["n_rows", "n_cols"] + (
+        ints = ["lv", "pmod", "n_planes"] if self.layout == "row" else ["n_rows", "n_cols"] + (
             ["rows_per_sample"] if self.per_sample else [])
         params = [f"p{k}" for k in range(n_params)]
         return {
@@ -188,6 +191,8 @@ class AffineSpec(KernelSpec):
         }
 
 
+SMALL_PLANES_BLOCK = 256  # row layout: a block of planes too small for 64 threads each
+
 # Autotune loop shapes of the affine pass. row: (block, unroll, min_blocks); col: (block, unroll,
 # min_blocks, strided, pipeline), each with and without streaming accesses. Pipelined tiles hold
 # two tiles of rows in registers: those listed fit min_blocks without spilling.
@@ -202,7 +207,8 @@ COL_TILES = ((256, 4, 4, True, False), (512, 2, 2, True, False), (1024, 2, 1, Tr
 def candidates(spec: AffineSpec) -> list[AffineSpec]:
     """Tile variants of an affine pass (same work, other loop shape or cache hints)."""
     if spec.layout == "row":
-        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m) for b, u, m in ROW_TILES]
+        return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m) for b, u, m in ROW_TILES
+                if b // spec.bx >= 32]
     return [dataclasses.replace(spec, block=b, unroll=u, min_blocks=m, strided=st, pipeline=pipe, stream=sm)
             for b, u, m, st, pipe in COL_TILES for sm in (False, True) if spec.bx * 2 <= b]
 
@@ -315,10 +321,17 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
     if layout == "row":
         lv = lay.hw // vec
         unroll = tile.unroll if tile else 4
-        block = tile.block if tile else min(512, max(64, 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))))
-        loop = {"bx": 32, "block": block, "unroll": unroll, "min_blocks": tile.min_blocks if tile else 1}
-        grid = (lay.n * lay.c, -(-lv // (block * unroll)), 1)
-        ints = [lv, lay.c * (lay.n if per_sample else 1)]
+        wanted = 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))  # threads a plane
+        if tile is None:  # planes under 64 threads' work share a block: SMALL_PLANES_BLOCK threads, a warp or more each
+            per_plane = max(32, wanted)
+            block, planes = (SMALL_PLANES_BLOCK, SMALL_PLANES_BLOCK // per_plane) if per_plane < 64 else (
+                min(512, wanted), 1)
+        else:
+            block, planes = tile.block, tile.bx
+        loop = {"bx": planes, "block": block, "unroll": unroll, "min_blocks": tile.min_blocks if tile else 1}
+        n_planes = lay.n * lay.c
+        grid = (-(-n_planes // planes), -(-lv // (block // planes * unroll)), 1)
+        ints = [lv, lay.c * (lay.n if per_sample else 1), n_planes]
     else:
         cv = lay.c // vec
         rows = lay.n * lay.hw
