@@ -221,3 +221,40 @@ def test_a_replay_builds_a_tensor_map_once_per_address_and_follows_new_arrays(mo
     mapped(x2)
     assert counts["full path"] == 1 and tmap.builds[-1] == x2.data.ptr
     assert kernel.calls[-1][1:] == (x2.data.ptr, x2.data.ptr ^ 0xFF, 7)
+
+
+def test_overlap_patterns_are_remembered_per_address_tuple_and_bounded(monkeypatch, toy):
+    """A repeat on the same addresses looks its overlap pattern up; new addresses compute it (an
+    in-place call among them still takes its own path); the memory of them stays bounded."""
+    entry, kernel, counts = toy
+    monkeypatch.setattr(callsite, "SEEN_LIMIT", 4)
+    x, y = FakeArray((8, 16)), FakeArray((8, 16))
+    entry(x, out=y)
+    entry(x, out=y)
+    seen = next(e for k, e in callsite._REPLAYS.items() if k[0] is entry)[2]
+    assert seen == {(x.data.ptr, y.data.ptr): (None,)}
+    for _ in range(10):
+        a, b = FakeArray((8, 16)), FakeArray((8, 16))
+        assert entry(a, out=b) is b and kernel.calls[-1][:2] == (b.data.ptr, a.data.ptr)
+        assert len(seen) <= 4
+    assert counts["full path"] == 1
+    z = FakeArray((8, 16))
+    entry(z, out=z)  # the same signature, another pattern: its own full path
+    assert counts["full path"] == 2
+
+
+def test_a_replay_allocates_outputs_in_the_recorded_strides(toy):
+    _, kernel, counts = toy
+
+    @callsite.fast
+    def transposed(x):
+        counts["full path"] += 1
+        y = FakeArray(x.shape[::-1], x.dtype, strides=(x.dtype.itemsize, x.shape[1] * x.dtype.itemsize))
+        callsite.launch(kernel, (1,), (32,), (y, x))
+        return y
+
+    x = FakeArray((4, 6))
+    first = transposed(x)
+    again = transposed(FakeArray((4, 6)))
+    assert counts["full path"] == 1
+    assert again.shape == first.shape == (6, 4) and again.strides == first.strides == (4, 24)
