@@ -34,6 +34,7 @@ LAYOUTS = ("nchw", "nhwc")
 DIVISORS = {"include_pad": "INCLUDE_PAD", "exclude_pad": "EXCLUDE_PAD", "override": "OVERRIDE"}
 # Windows (kh, kw, sh, sw) compiled in, at dilation 1: the stem pools of ResNet-style networks.
 FIXED = ((3, 3, 2, 2), (2, 2, 2, 2))
+MAX_SPAN = 4   # backward: windows per dim holding one pixel, at most, for the unrolled loops
 SOURCES = ("indices",)   # where the max backward gather finds each window's argmax (from x: see _argmax_then_gather)
 STAGES = ("full", "partial", "finish")
 VECS = (1, 2, 4, 8)
@@ -174,12 +175,16 @@ class Pool2dBackwardSpec(KernelSpec):
     divisor: str
     vec: int
     index: str
+    span: tuple = (0, 0)         # windows holding a pixel at most, per dim (H, W): unrolled; 0: a loop
     block: int = 256
     min_blocks: int = 4
 
     def validate(self) -> None:
         one_of(self.kind, KINDS, "kind")
         one_of(self.source, SOURCES if self.kind == "max" else ("",), "source")
+        if not (isinstance(self.span, tuple) and len(self.span) == 2
+                and all(type(v) is int and 0 <= v <= MAX_SPAN for v in self.span)):
+            raise ValidationError(f"span: {self.span!r} should be two ints from 0 to {MAX_SPAN}", arg="span")
         one_of(self.layout, LAYOUTS, "layout")
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.dx_dtype, DTYPES, "dx_dtype")
@@ -194,7 +199,7 @@ class Pool2dBackwardSpec(KernelSpec):
         source = f"+idx.{_short(self.indices)}" if self.source else ""
         return (f"pool_backward/{self.kind}{source}/{self.layout}/{_short(self.dtype)}->{_short(self.dx_dtype)}"
                 + (f"/{self.divisor}" if self.divisor else "")
-                + f"/v{self.vec}.{self.index}.b{self.block}m{self.min_blocks}")
+                + f"/v{self.vec}.{self.index}.s{self.span[0]}x{self.span[1]}.b{self.block}m{self.min_blocks}")
 
     def render_context(self) -> dict:
         override = self.divisor == "override"
@@ -207,6 +212,7 @@ class Pool2dBackwardSpec(KernelSpec):
             "idx_t": _ctype(self.indices) if self.indices else "",
             "flat_t": _ctype(self.indices) if self.indices else "int",
             "source": self.source, "layout": self.layout, "vec": self.vec, "block": self.block,
+            "span_h": self.span[0], "span_w": self.span[1],
             "min_blocks": self.min_blocks,
             "extent_h": "(kh - 1) * dh + 1" if is_max else "kh", "extent_w": "(kw - 1) * dw + 1" if is_max else "kw",
             "divisor_mode": DIVISORS.get(self.divisor, ""), "divisor_arg": "divisor" if override else "0.0f",
@@ -565,9 +571,11 @@ def plan_pool2d_backward(kind: str, dy: Operand, input_shape, kernel, stride=Non
     items = n * h * w * (c // vec)
     index = _index(_max_offset(dy) + 1, math.prod(geo_in), items + block,
                    _max_offset(extra) + 1 if extra is not None else 0)
+    extents = [(k - 1) * d + 1 if kind == "max" else k for k, d in zip(geo.kernel, geo.dilation)]
+    span = tuple(n_windows if (n_windows := -(-e // st)) <= MAX_SPAN else 0 for e, st in zip(extents, geo.stride))
     spec = Pool2dBackwardSpec(kind=kind, source=source, layout=layout.lower(), dtype=dy.dtype, dx_dtype=dx_dtype,
                               indices=indices.dtype if source == "indices" else "", divisor=divisor, vec=vec,
-                              index=index, block=block, min_blocks=min_blocks)
+                              index=index, span=span, block=block, min_blocks=min_blocks)
     strides = (*dy.strides, *(extra.strides if extra is not None else ()))
     ints = _ints(index, (*geo_in, *geo.out_shape[2:], *strides))
     args = ints + _ints("int32", (*geo.kernel, *geo.stride, *geo.padding)
