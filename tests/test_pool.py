@@ -459,3 +459,34 @@ def test_target_kernel_loads_each_patch_tap_once():
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, timeout=120).stdout
     assert sass.count("LDG.E.128") == 15 and sass.count("STG.E.128") == 2
     assert "HMNMX2" in sass   # 16-bit max on packed pairs, no conversions
+
+
+def test_backward_unrolled_window_loops_visit_exactly_the_windows_holding_each_pixel():
+    """Python replica of the gather's window bounds: with the plan's span, the unrolled loops
+    (clamped to a real window, masked past the last) visit the same windows as the plain loops."""
+    for size, k, s, p, d, ceil_mode, kind in itertools.product((1, 5, 8, 13), (1, 2, 3, 5), (1, 2, 3), (0, 1, 2),
+                                                                (1, 2), (False, True), ("max", "avg")):
+        if p > k // 2 or (kind == "avg" and d > 1):
+            continue
+        try:
+            geo = pool.geometry((1, 1, size, size), k, s, p, d, ceil_mode)
+        except ValidationError:
+            continue
+        out = geo.out_shape[2]
+        dy = _x(geo.out_shape, "float32")
+        source = {"indices": Operand("int32", geo.out_shape, dy.strides)} if kind == "max" else {}
+        try:
+            span = pool.plan_pool2d_backward(kind, dy, (1, 1, size, size), k, s, p, d, ceil_mode=ceil_mode,
+                                             **source).launches[0].spec.span[0]
+        except UnsupportedError:  # a max window with no tap inside the input
+            continue
+        extent = (k - 1) * d + 1 if kind == "max" else k
+        for h in range(size):
+            begin = 0 if h + p < extent else (h + p - extent) // s + 1
+            end = min((h + p) // s + 1, out)
+            plain = set(range(begin, end))
+            assert plain == {o for o in range(out) if o * s - p <= h <= o * s - p + extent - 1}
+            if span:
+                visited = [min(begin + i, out - 1) for i in range(span)]
+                assert all(0 <= o < out for o in visited)
+                assert {o for i, o in enumerate(visited) if begin + i < end} == plain, (size, k, s, p, d, h)
