@@ -239,12 +239,13 @@ RESOLVED_LIMIT = 64             # tensor maps a launch keeps, per slot and addre
 
 
 def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes: int) -> _Launch:
-    """``nbytes``: what the call's arrays span. Below DEPENDENT_MIN_BYTES its kernels are shorter
-    than the host's cost of a dependent launch (cuLaunchKernelEx through cuda.bindings, about
-    twice CuPy's launch on the H200's host), so back-to-back calls are bound by the host and the
-    overlap a dependent launch buys is worth less than the time it costs. A CuPy launch gets its
-    constants and addresses as CuPy's own argument objects, made once; the pointer a tensor map
-    is built over stays an address."""
+    """``nbytes``: what the call's arrays span. Below DEPENDENT_MIN_BYTES a replay launches its
+    dependent kernels the ordinary way. The threshold dates from when a dependent launch
+    (cuLaunchKernelEx through cuda.bindings) cost the host twice CuPy's launch; since its
+    arguments are packed as they come it costs the same (RESULTS, session 16), and a lower
+    threshold is yet to be measured on whole sweeps. A CuPy launch gets its constants and
+    addresses as CuPy's own argument objects, made once; the pointer a tensor map is built over
+    stays an address."""
     from .runtime import DependentFunction
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
@@ -329,9 +330,10 @@ def _result(shape, arrays, made):
 
 def _allocate(output: _Output):
     if output.torch is not None:
+        torch = _TORCH or _torch()  # a call given stream= never looked torch's stream up
         if output.strides is None:
-            return _TORCH.empty(output.shape, dtype=output.dtype, device=output.torch)
-        return _TORCH.empty_strided(output.shape, output.strides, dtype=output.dtype, device=output.torch)
+            return torch.empty(output.shape, dtype=output.dtype, device=output.torch)
+        return torch.empty_strided(output.shape, output.strides, dtype=output.dtype, device=output.torch)
     cp = _CUPY
     if output.strides is None:
         return cp.ndarray(output.shape, output.dtype, cp.cuda.alloc(output.nbytes))

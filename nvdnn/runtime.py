@@ -59,7 +59,7 @@ def _load(binary: KernelBinary, device_id: int):
 # kernel parameter slots (8 bytes each, as the driver reads them) by argument type; a Python int is
 # an address (as a replayed call passes them), and so is a CuPy array
 _SLOT = {np.int32: "i4x", np.uint32: "I4x", np.float32: "f4x", np.int64: "q", np.uint64: "Q", np.float64: "d",
-         int: "Q"}
+         np.longlong: "q", np.ulonglong: "Q", int: "Q"}
 _CONFIGS_KEPT = 256  # launch configurations a kernel keeps (by grid, block, shared memory, stream)
 
 
@@ -87,7 +87,7 @@ class DependentFunction:
         attr.value.programmaticStreamSerializationAllowed = 1
         self._attrs = [attr]
         self._configs: dict[tuple, object] = {}
-        self._params: dict[tuple, tuple] = {}  # argument types -> (format, buffer, its pointer table, array slots)
+        self._params: dict[tuple, tuple] = {}  # argument types -> (format, buffer, its pointer table, any arrays)
         self._lock = threading.Lock()
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):

@@ -258,3 +258,52 @@ def test_a_replay_allocates_outputs_in_the_recorded_strides(toy):
     again = transposed(FakeArray((4, 6)))
     assert counts["full path"] == 1
     assert again.shape == first.shape == (6, 4) and again.strides == first.strides == (4, 24)
+
+
+class _Tensor:
+    """Just what the fast path reads of a torch tensor."""
+    __module__ = "torch"
+
+    def __init__(self, shape, dtype=np.float32, device=0):
+        self.shape, self.dtype, self.device = tuple(shape), np.dtype(dtype), ("cuda", device)
+        self._address, self._device = _fresh_address(0), device
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def data_ptr(self):
+        return self._address
+
+    def get_device(self):
+        return self._device
+
+    def element_size(self):
+        return self.dtype.itemsize
+
+
+_Tensor.__name__ = _Tensor.__qualname__ = "Tensor"
+
+
+def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy):
+    """stream= skips the lookup of torch's current stream, the first place torch was imported:
+    the replay's allocation of a torch output must still find torch."""
+    _, kernel, counts = toy
+    made = []
+    fake_torch = types.SimpleNamespace(empty=lambda shape, dtype, device: made.append(shape) or _Tensor(shape, dtype))
+    monkeypatch.setitem(call_signature.READERS, _Tensor, call_signature.torch_meta)
+    monkeypatch.setattr(callsite, "_TORCH", None)
+    monkeypatch.setattr(callsite, "_torch", lambda: fake_torch)
+
+    @callsite.fast
+    def f(x, *, stream=None):
+        counts["full path"] += 1
+        y = _Tensor(x.shape, x.dtype)
+        callsite.launch(kernel, (1,), (32,), (np.uint64(y.data_ptr()), np.uint64(x.data_ptr())), stream=stream)
+        return y
+
+    Stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 1234})
+    f(_Tensor((4, 6)), stream=Stream())
+    x = _Tensor((4, 6))
+    y = f(x, stream=Stream())
+    assert counts["full path"] == 1 and made == [(4, 6)]
+    assert kernel.calls[-1] == (y.data_ptr(), x.data_ptr())

@@ -521,8 +521,9 @@ def plan_pool2d_backward(kind: str, dy: Operand, input_shape, kernel, stride=Non
                          dx_align=16, tile: Pool2dBackwardSpec | Pool2dSpec | None = None) -> Plan:
     """Gradient of max_pool2d / avg_pool2d with respect to x, of shape ``input_shape``. Max needs
     the forward's argmax: its saved ``indices`` (read through their strides) or ``x`` to recompute
-    it. Pointers: "dx" (packed in layout_of(dy), ``dx_dtype``), "dy", then "indices" or "x".
-    From x: two launches and two scratch buffers (see _argmax_then_gather); else no scratch."""
+    it. Pointers: "dx" (packed in layout_of(dy), ``dx_dtype``), "dy", then "indices"; no scratch.
+    From x: two launches, ("scratch0", "scratch1", "x") then ("dx", "dy", "scratch1"), over two
+    scratch buffers (see _argmax_then_gather)."""
     one_of(kind, KINDS, "kind")
     _check_dtype(dy, "dy")
     geo = geometry(input_shape, kernel, stride, padding, dilation, ceil_mode, name="input_shape")
