@@ -46,6 +46,18 @@ def test_list_runs_without_a_gpu():
     assert "entry points with no row: none" in done.stdout and "layer_norm_backward small" in done.stdout
 
 
+def test_the_replay_overhead_benchmark_runs_without_a_gpu(tmp_path):
+    """Its toy calls must replay (it exits otherwise), and every figure is a time."""
+    report = tmp_path / "overhead.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "replay_overhead.py"), "--calls", "300", "--json",
+                           str(report)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import json
+    figures = json.loads(report.read_text())["python_us_per_call"]
+    assert {"unary(x)", "binary(x, z, out=y)", "dependent launch (driver stubbed)"} <= set(figures)
+    assert all(0 < us < 1000 for us in figures.values())
+
+
 def _out_dtype(case):
     return "float16" if case.name.startswith("cast") else case.inputs[0].dtype
 
