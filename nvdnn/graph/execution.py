@@ -211,7 +211,8 @@ class Execution:
                 pairs = [place(t) for t in (group.output, *group.inputs)]
                 tail = launch.int_args + tuple(np.float32(p) for p in group.params)
                 fn = runtime.function(self.binaries[launch.spec], device, dependent=launch.spec.dependent_launch)
-                runs.append(_GroupRun([(_Launch(fn, launch.grid, launch.block, tuple(s for s, _ in pairs), tail),
+                runs.append(_GroupRun([(_Launch(fn, launch.grid, launch.block, tuple(s for s, _ in pairs),
+                                                _constants(fn, tail)),
                                         [v for _, v in pairs])], outputs))
                 continue
             schema = ANCHORS[group.anchor.op]
@@ -230,8 +231,9 @@ class Execution:
                         slots.append(slot), pointers.append(view)
                 fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem, lp.spec.dependent_launch)
                 grid = runtime.resident_grid(fn, lp.spec, lp.grid, lp.block, lp.shared_mem)
-                launches.append((_Launch(fn, grid, lp.block, tuple(slots), lp.args, lp.shared_mem,
-                                         callsite.has_deferred(lp.args)), pointers))
+                deferred = callsite.has_deferred(lp.args)
+                launches.append((_Launch(fn, grid, lp.block, tuple(slots), _constants(fn, lp.args, deferred),
+                                         lp.shared_mem, deferred), pointers))
             runs.append(_GroupRun(launches, outputs))
         return runs
 
@@ -459,6 +461,19 @@ def _float64(value, data_type: str) -> np.ndarray:
     if _fp8_bytes(value, data_type):
         value = value.view(dtypes.BY_NAME[data_type].host)
     return np.asarray(value, dtype=np.float64)
+
+
+_SCALARS = (np.int32, np.uint32, np.int64, np.float32, np.float64)  # not np.uint64: an address stays visible
+
+
+def _constants(fn, tail: tuple, deferred: bool = False) -> tuple:
+    """A launch's scalar arguments as a CuPy launch takes them fastest: wrapped once as CuPy's own
+    argument objects (a NumPy scalar costs CuPy an __array_interface__ round trip, 1-2 us, at every
+    launch). Dependent launches pack NumPy scalars themselves; arguments resolved at launch stay."""
+    if deferred or isinstance(fn, runtime.DependentFunction):
+        return tail
+    wrap = arrays.cupy().cuda.function.CNumpyArray
+    return tuple(wrap(np.asarray(a).reshape(1)) if type(a) in _SCALARS else a for a in tail)
 
 
 def _run_group(run: _GroupRun, bound, stream=None) -> None:
