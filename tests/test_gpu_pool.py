@@ -12,6 +12,7 @@ from nvdnn import launcher
 from nvdnn import reference as ref
 from nvdnn.errors import ValidationError
 from nvdnn.kernels import pool
+from nvdnn.kernels.pool import window as pool_window
 from nvdnn.kernels.pointwise import Operand
 
 from .gpu import check, poisoned, random, requires_gpu
@@ -60,7 +61,7 @@ def _valid(shape, kernel, stride, padding, dilation, ceil_mode) -> bool:
 def _has_empty_window(shape, window) -> bool:
     """A window with no tap inside the input: max backward refuses it (tests/test_pool.py)."""
     g = pool.geometry(shape, *window)
-    return any(pool._empty_window(size, *args) is not None
+    return any(pool_window._empty_window(size, *args) is not None
                for size, *args in zip(shape[2:], g.kernel, g.stride, g.padding, g.dilation, g.out_shape[2:]))
 
 

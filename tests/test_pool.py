@@ -16,6 +16,7 @@ from nvdnn import codegen, compiler
 from nvdnn import reference as ref
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import pool
+from nvdnn.kernels.pool import window as pool_window
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
 
@@ -99,7 +100,7 @@ def test_max_pool_reference_matches_a_padded_scan(case):
     shape, kernel, stride, padding, dilation, ceil_mode = case
     x = RNG.standard_normal(shape)
     x.flat[RNG.integers(0, x.size, 2)] = np.nan
-    k, s, p, d = (pool._pair(v, "v", 0) for v in (kernel, stride, padding, dilation))
+    k, s, p, d = (pool_window._pair(v, "v", 0) for v in (kernel, stride, padding, dilation))
     y, idx = ref.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
     want_y, want_idx = _padded_max(x, k, s, p, d, ceil_mode)
     np.testing.assert_array_equal(y, want_y)
@@ -143,7 +144,7 @@ AVG_CASES = [((2, 3, 7, 7), 3, 2, 1, False), ((1, 2, 8, 9), 2, 2, 1, True), ((1,
 def test_avg_pool_reference_matches_a_direct_loop(case, count_include_pad, divisor_override):
     shape, kernel, stride, padding, ceil_mode = case
     x = RNG.standard_normal(shape)
-    k, s, p = (pool._pair(v, "v", 0) for v in (kernel, stride, padding))
+    k, s, p = (pool_window._pair(v, "v", 0) for v in (kernel, stride, padding))
     got = ref.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
     np.testing.assert_allclose(got, _padded_avg(x, k, s, p, ceil_mode, count_include_pad, divisor_override),
                                rtol=1e-13)
