@@ -58,3 +58,12 @@ def test_a_script_beside_a_checkout_named_nvdnn_imports_the_package(tmp_path):
     module, templates, graph = run.stdout.split()
     assert Path(module) == checkout / "nvdnn" / "__init__.py"
     assert Path(templates) == checkout / "templates" and graph == "Graph"
+
+
+def test_every_package_of_the_source_tree_is_listed_for_the_wheel():
+    """pyproject lists the packages by name: a subpackage missing there is missing from a wheel
+    (a regular `pip install .` then fails at its first import)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.10 reads no TOML without a package")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "nvdnn").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
