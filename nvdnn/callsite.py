@@ -90,6 +90,12 @@ def launch(function, grid, block, args, shared_mem: int = 0, stream=None, deferr
     function(grid, block, args, shared_mem=shared_mem, stream=stream)
 
 
+def cupy_argument(value):
+    """A NumPy scalar (or 1-element array) as CuPy's own kernel-argument object, made once: handed
+    a NumPy scalar, CuPy builds one through __array_interface__ at every launch (1-2 us)."""
+    return (_CUPY or _load_cupy()).cuda.function.CNumpyArray(np.asarray(value).reshape(1))
+
+
 def has_deferred(args) -> bool:
     """Whether some argument resolves only at launch (has ``resolve``)."""
     return any(hasattr(a, "resolve") for a in args)
@@ -122,7 +128,7 @@ class Replay(NamedTuple):
     scratch: tuple       # bytes per scratch buffer
     launches: tuple      # a _Launch per kernel
     result: object       # ("in", i) / ("out", j) / None, or a tuple of those
-    torch_stream: int    # -1, or the device whose current torch stream the launches take (that of the torch inputs)
+    torch_device: int    # -1, or the device whose current torch stream the launches take (that of the torch inputs)
 
 
 class _NotKept(Exception):
@@ -131,6 +137,7 @@ class _NotKept(Exception):
 
 def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay | None:
     """The replay of a recorded call, or None where some device work is unaccounted for."""
+    from .graph.tensor import contiguous_strides  # recording only: nvdnn.graph imports this module
     if rec.refused or not rec.launches:
         return None
     ranges, outputs = [], []  # (kind, index, address, first byte, end)
@@ -158,7 +165,8 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
         if low:
             raise _NotKept
         torch = value.device if read is torch_meta else None
-        strides = None if meta[1] == _contiguous(meta) else tuple(value.stride()) if torch else meta[1]
+        packed = tuple(s * meta[2].itemsize for s in contiguous_strides(meta[0]))
+        strides = None if meta[1] == packed else tuple(value.stride()) if torch else meta[1]
         outputs.append(_Output(torch, meta[0], strides, meta[2], max(high, 1)))
         add("out", len(outputs) - 1, meta)
         return ("out", len(outputs) - 1)
@@ -173,18 +181,8 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
                          for function, grid, block, args, shared_mem in rec.launches)
     except _NotKept:
         return None
-    torch_device = next((d for x in arrays if reader(type(x)) is torch_meta and (d := x.get_device()) >= 0),
-                        -1) if torch_stream else -1
+    torch_device = _torch_device(arrays) if torch_stream else -1
     return Replay(tuple(outputs), tuple(size for _, size in rec.scratch), launches, shape, torch_device)
-
-
-def _contiguous(meta) -> tuple:
-    """C-contiguous byte strides of an array's shape and dtype."""
-    shape, strides, size = meta[0], [], meta[2].itemsize
-    for n in reversed(shape):
-        strides.append(size)
-        size *= n
-    return tuple(reversed(strides))
 
 
 def _source(a, rec: Recording, ranges: list):
@@ -257,7 +255,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
         if source[0] == "c":
             value = source[1]
             if cupy_launch and slot not in mapped and isinstance(value, (np.generic, np.ndarray)):
-                value = _CUPY.cuda.function.CNumpyArray(np.asarray(value).reshape(1))
+                value = cupy_argument(value)
             template.append(value)
             continue
         kind, index, offset = _KINDS[source[0]], source[1], source[2]
@@ -343,15 +341,20 @@ def _allocate(output: _Output):
 _STREAMS: dict = {}
 
 
+def _torch_device(arrays) -> int:
+    """The device of the first torch input on a GPU, or -1."""
+    return next((d for x in arrays if reader(type(x)) is torch_meta and (d := x.get_device()) >= 0), -1)
+
+
 def _torch_stream(arrays):
     """torch's current stream on the torch inputs' device, as a CuPy stream; None where no
     torch input is on a GPU (the full path then says what is wrong)."""
-    device = next((x.get_device() for x in arrays if reader(type(x)) is torch_meta and x.get_device() >= 0), None)
-    return None if device is None or _torch() is None else _torch_current(device)
+    device = _torch_device(arrays)
+    return None if device < 0 else _torch_current(device)
 
 
 def _torch_current(device: int):
-    handle = _TORCH._C._cuda_getCurrentRawStream(device)
+    handle = (_TORCH or _torch())._C._cuda_getCurrentRawStream(device)
     stream = _STREAMS.get(handle)
     if stream is None:
         stream = _STREAMS[handle] = _CUPY.cuda.ExternalStream(handle, device)

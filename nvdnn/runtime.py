@@ -8,6 +8,7 @@ import numpy as np
 
 from . import compiler
 from .cache import KernelBinary
+from .call_signature import cupy_meta, reader
 
 _FUNCTIONS: dict[tuple[str, int], object] = {}
 _MODULES: list = []  # keep modules alive for as long as their functions may run
@@ -119,13 +120,9 @@ class DependentFunction:
         base = ctypes.addressof(buffer)
         for i in range(n):
             buffer[n + i] = base + 8 * i
-        arrays = any(_is_array(k) for k in kinds)
+        arrays = any(reader(k) is cupy_meta for k in kinds)
         found = self._params[kinds] = (param_format(kinds), buffer, base + 8 * n, arrays)
         return found
-
-
-def _is_array(kind) -> bool:
-    return kind.__name__ == "ndarray" and kind.__module__.split(".")[0] == "cupy"
 
 
 def param_kinds(args) -> tuple:
@@ -135,7 +132,7 @@ def param_kinds(args) -> tuple:
 
 def param_format(kinds: tuple) -> str:
     """The struct format of kernel arguments of these kinds, one 8-byte slot each."""
-    unknown = [k.__name__ for k in kinds if k not in _SLOT and not _is_array(k)]
+    unknown = [k.__name__ for k in kinds if k not in _SLOT and reader(k) is not cupy_meta]
     if unknown:
         raise TypeError(f"kernel arguments: {', '.join(unknown)} are neither CuPy arrays, addresses nor 32/64-bit "
                         "NumPy scalars")

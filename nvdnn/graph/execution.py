@@ -467,13 +467,11 @@ _SCALARS = (np.int32, np.uint32, np.int64, np.float32, np.float64)  # not np.uin
 
 
 def _constants(fn, tail: tuple, deferred: bool = False) -> tuple:
-    """A launch's scalar arguments as a CuPy launch takes them fastest: wrapped once as CuPy's own
-    argument objects (a NumPy scalar costs CuPy an __array_interface__ round trip, 1-2 us, at every
-    launch). Dependent launches pack NumPy scalars themselves; arguments resolved at launch stay."""
+    """A launch's scalar arguments as a CuPy launch takes them fastest (callsite.cupy_argument).
+    Dependent launches pack NumPy scalars themselves; arguments resolved at launch stay."""
     if deferred or isinstance(fn, runtime.DependentFunction):
         return tail
-    wrap = arrays.cupy().cuda.function.CNumpyArray
-    return tuple(wrap(np.asarray(a).reshape(1)) if type(a) in _SCALARS else a for a in tail)
+    return tuple(callsite.cupy_argument(a) if type(a) in _SCALARS else a for a in tail)
 
 
 def _run_group(run: _GroupRun, bound, stream=None) -> None:

@@ -321,8 +321,8 @@ def _affine(lay: Layout, x: Operand, out: str, out_align: int, *, source: str, p
     if layout == "row":
         lv = lay.hw // vec
         unroll = tile.unroll if tile else 4
-        wanted = 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))  # threads a plane
         if tile is None:  # planes under 64 threads' work share a block: SMALL_PLANES_BLOCK threads, a warp or more each
+            wanted = 1 << math.ceil(math.log2(max(1, -(-lv // unroll))))  # threads a plane
             per_plane = max(32, wanted)
             block, planes = (SMALL_PLANES_BLOCK, SMALL_PLANES_BLOCK // per_plane) if per_plane < 64 else (
                 min(512, wanted), 1)
