@@ -2,19 +2,20 @@
 instance_norm forward, for (N, C), (N, C, L) and (N, C, H, W) inputs whose strides are dense
 NCHW or NHWC (dims always in N, C, spatial order: the strides say the layout).
 
-Each op is a short plan over three kernels (training batch_norm: two, see below):
-  statistics  a split reduction of kernels/reduce.py into float32 records in scratch:
-              shifted moments per channel (batch) or per sample and group (group), or the
-              backward sums [sum dy, sum dy * (x - mean)] per channel;
-  stats       templates/reduce/stats.cu.j2, a thread per channel (or sample and channel):
-              mean, inverse std, running statistics, dgamma / dbeta, and the float4
-              coefficients (mu, a, b, A) of the pass that writes the output;
+Each op is a short plan over these kernels:
+  statistics  a split reduction of kernels/reduce.py: shifted moments per channel (batch) or
+              per sample and group (group), or the backward sums [sum dy, sum dy * (x - mean)]
+              per channel. For batch norm its last block per channel tile finishes the job
+              (reduce/moments.cuh.j2): mean, inverse std and running statistics, or dgamma and
+              dbeta, and the float4 coefficients (mu, a, b, A) of the pass that writes the
+              output. For group norm it leaves float32 records in scratch for
+  stats       templates/reduce/stats.cu.j2, a warp per sample and channel: the statistics and
+              coefficients of each group;
   affine      templates/reduce/affine.cu.j2: y = epilogue((x - mu) * a + b), or for the
-              backward dx = (x - mu) * a + b + dy * A.
+              backward dx = (x - mu) * a + b + dy * A, launched as a dependent grid.
 Inference is the affine pass alone, its coefficients computed in the kernel from the running
-statistics. Training batch_norm is two launches: the split reduction's last block per channel
-tile computes the statistics and coefficients itself (reduce/moments.cuh.j2, the stats kernel's
-own code), then the affine pass, launched as a dependent grid. eps, momentum and epilogue parameters are kernel arguments.
+statistics; training batch norm and its backward are two launches, group norm three. eps,
+momentum and epilogue parameters are kernel arguments.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from . import Launch, Plan
 from .pointwise import Operand, chain_params, chain_steps, check_epilogue
 from .reduce import DTYPES, KINDS, BatchNormFinish, check_operand, split_reduce
 
-STATS_MODES = ("gn", "bn_bwd")   # training batch_norm finishes its statistics in the split
+STATS_MODES = ("gn",)   # batch norm (training forward and backward) finishes in the split
 AFFINE_BLOCKS = (64, 128, 256, 512, 1024)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
 
@@ -42,7 +43,7 @@ class StatsSpec(KernelSpec):
     family = "reduce_stats"
     template = "reduce/stats.cu.j2"
 
-    mode: str        # gn | bn_bwd (see the template)
+    mode: str        # gn (see the template)
     param: str       # data type of gamma, beta, dgamma, dbeta
     affine: bool     # gamma (and beta) given
     block: int = 256
@@ -60,20 +61,14 @@ class StatsSpec(KernelSpec):
 
     def pointers(self) -> list[str]:
         """Kernel pointer parameters with their roles ('coef' and 'part' are scratch)."""
-        if self.mode == "bn_bwd":
-            out = ["coef"] + (["dgamma", "dbeta"] if self.affine else []) + ["saved_mean", "saved_invstd"]
-            return out + (["gamma"] if self.affine else []) + ["part"]
         return ["coef", "saved_mean", "saved_invstd"] + (["gamma", "beta"] if self.affine else []) + ["part"]
 
     def render_context(self) -> dict:
         types = {"coef": "float4*", "saved_mean": "float*", "saved_invstd": "float*", "part": "const float*",
-                 "dgamma": "param_t*", "dbeta": "param_t*",
                  "gamma": "const param_t*", "beta": "const param_t*"}
-        if self.mode == "bn_bwd":
-            types.update(saved_mean="const float*", saved_invstd="const float*")
         ints = ["n", "channels", "group_size", "splits", "stride_out", "stride_split"]
         return {"mode": self.mode, "param_ctype": dtypes.BY_NAME[self.param].ctype, "affine": self.affine,
-                "block": self.block, "nrec": KINDS["dydx" if self.mode == "bn_bwd" else "moments"],
+                "block": self.block, "nrec": KINDS["moments"],
                 "kernel_params": [f"{types[p]} __restrict__ {p}" for p in self.pointers()]
                 + [f"long long {i}" for i in ints] + ["float count", "float eps"]}
 
@@ -442,18 +437,17 @@ def plan_batch_norm_backward(dy: Operand, x: Operand, saved_mean: Operand, saved
     """dx, and dgamma = sum dy * xhat, dbeta = sum dy (in gamma's type) when gamma is given, from
     the saved float32 statistics of the forward. Roles "dx" (x's layout), "dy", "x",
     "saved_mean", "saved_invstd", "gamma", "dgamma", "dbeta"; scratch: the split records,
-    then C float4 coefficients."""
+    then C float4 coefficients. Two launches: the sums (their last block per channel tile
+    finishes dgamma, dbeta and the coefficients), then dx."""
     lay = layout_of(x)
     _pair(dy, x, ("dy", "x"))
     _per_channel({"saved_mean": saved_mean, "saved_invstd": saved_invstd}, lay.c, dtype="float32")
     param = _per_channel({"gamma": gamma}, lay.c) or "float32"
-    split = split_reduce("dydx", "sum", x, _stat_axes(x), "float32", dy=dy)
-    coef = f"scratch{len(split.scratch)}"
-    stats = _stats("bn_bwd", param, gamma is not None, split.records, n=lay.c, channels=lay.c,
-                   group_size=1, count=lay.n * lay.hw, pointers={"coef": coef})
+    finish = BatchNormFinish(param, gamma is not None, False, lay.n * lay.hw, 0.0, 0.0, "scratch1")
+    split = split_reduce("dydx", "sum", x, _stat_axes(x), "float32", dy=dy, bn=finish)
     apply = _affine(lay, x, _out_dtype(dx_dtype, x, "dx_dtype"), dx_align, source="coef", backward=True,
-                    pointers={"coef": coef, "y": "dx"}, extra_align=dy.align)
-    return Plan((*split.launches, stats, apply), (*split.scratch, 16 * lay.c))
+                    pointers={"coef": finish.coef, "y": "dx"}, extra_align=dy.align)
+    return Plan((*split.launches, apply), (*split.scratch, 16 * lay.c))
 
 
 def plan_group_norm(x: Operand, groups: int, gamma: Operand | None = None, beta: Operand | None = None, *,

@@ -40,7 +40,7 @@ OPS = {
 KINDS = {"plain": 1, "moments": 3, "dydx": 2}   # kind -> floats per partial record of stage "partial"
 # full: one block per output; partial: records for a statistics kernel; split: records that the
 # last block to arrive finishes (a split record holds the accumulators only)
-STAGES = {"plain": ("full", "split"), "moments": ("partial", "split"), "dydx": ("partial",)}
+STAGES = {"plain": ("full", "split"), "moments": ("partial", "split"), "dydx": ("split",)}
 DTYPES = ("float32", "float16", "bfloat16")
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 UNROLLS = (1, 2, 4, 8)
@@ -75,14 +75,17 @@ def _check_common(spec) -> None:
     one_of(spec.update, (False, True), "update")
     if not _bn(spec) and (spec.param, spec.affine, spec.update) != ("float32", False, False):
         raise ValidationError("param: gamma, beta and running statistics belong to a batch-norm finish "
-                              "(kind='moments', stage='split')", arg="param")
+                              "(kind 'moments' or 'dydx', stage 'split')", arg="param")
+    if spec.kind == "dydx" and spec.update:
+        raise ValidationError("update: the backward's finish (kind 'dydx') has no running statistics", arg="update")
     if spec.vec * dtypes.BY_NAME[spec.input].itemsize > 16:
         raise ValidationError(f"vec: {spec.vec} elements of {spec.input} exceed 16 bytes", arg="vec")
 
 
 def _bn(spec) -> bool:
-    """A split of batch-norm moments: its last block writes the statistics (reduce/moments.cuh.j2)."""
-    return spec.kind == "moments" and spec.stage == "split"
+    """A split of batch-norm moments or backward sums: its last block writes the statistics, or
+    dgamma and dbeta, and the affine pass's coefficients (reduce/moments.cuh.j2)."""
+    return spec.kind in ("moments", "dydx") and spec.stage == "split"
 
 
 def _context(spec, acc: str, ints) -> dict:
@@ -105,7 +108,10 @@ def _context(spec, acc: str, ints) -> dict:
 def _pointers(spec) -> list[tuple[str, str]]:
     """(kernel parameter, C type) of each pointer, in order; the launch binds each by its name's
     role ("part" and "coef" are scratch; dydx reads "saved_mean" as ``mean``)."""
-    if _bn(spec):
+    if _bn(spec) and spec.kind == "dydx":
+        out = [("coef", "float4*")] + ([("dgamma", "param_t*"), ("dbeta", "param_t*")] if spec.affine else [])
+        out += [("saved_invstd", "const float*")] + ([("gamma", "const param_t*")] if spec.affine else [])
+    elif _bn(spec):
         out = [("coef", "float4*"), ("saved_mean", "float*"), ("saved_invstd", "float*")]
         out += [("running_mean", "param_t*"), ("running_var", "param_t*")] if spec.update else []
         out += [("gamma", "const param_t*"), ("beta", "const param_t*")] if spec.affine else []
@@ -214,7 +220,10 @@ class ColReduceSpec(KernelSpec):
 
     def render_context(self) -> dict:
         ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"]
-        return dict(_context(self, "acc[0][j]", ints), bx=self.bx)
+        # dydx reads two tensors and finishes batch norm's backward: ptxas's own register budget
+        # (48 a thread) spilled it. 768 threads an SM (85 registers) keep ample loads in flight.
+        min_blocks = 768 // self.block if self.kind == "dydx" else 0
+        return dict(_context(self, "acc[0][j]", ints), bx=self.bx, min_blocks=min_blocks)
 
 
 # -- planning ---------------------------------------------------------------------------------------
@@ -319,8 +328,9 @@ def _args(index: str, ints, floats=()) -> tuple:
 
 
 class BatchNormFinish(NamedTuple):
-    """What the last block of a split of batch-norm moments writes (reduce/moments.cuh.j2):
-    saved statistics, coefficients at scratch role ``coef``, running statistics when ``update``."""
+    """What the last block of a batch-norm split writes (reduce/moments.cuh.j2): from moments,
+    saved statistics and running statistics when ``update``; from backward sums (dydx), dgamma
+    and dbeta when ``affine``; from either, coefficients at scratch role ``coef``."""
     param: str
     affine: bool
     update: bool
@@ -335,8 +345,9 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
                  bn: BatchNormFinish | None = None) -> Split:
     """The launch that reduces ``axes`` of ``x`` (normalized, checked). Plain kinds end in "y"
     (a split finishes in its last block); with ``bn`` moments end as batch-norm statistics and
-    coefficients; otherwise moments and dydx end as partial records in scratch (see Records) for
-    a statistics kernel. ``dy`` (dydx only) shares x's shape and strides."""
+    dydx as dgamma and dbeta, either with the affine pass's coefficients; otherwise they end as
+    partial records in scratch (see Records) for a statistics kernel. ``dy`` (dydx only) shares
+    x's shape and strides."""
     reduced = set(axes)
     kept = _merge([(s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a not in reduced])
     red = _merge(sorted(((s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a in reduced),
