@@ -243,7 +243,7 @@ def plan_global_avg_pool2d(x: Operand, *, epilogue=(), params=(), out_dtype=None
                            tile: GlobalAvgPoolSpec | None = None) -> Plan:
     """Mean over H and W of x (N, C, H, W), summed in float32. Pointers: "y" ((N, C, 1, 1) packed,
     ``out_dtype``) and "x"; when the rows are split across blocks (few planes, big planes), one
-    float32 scratch buffer of splits * N * C sums and a second launch that adds them."""
+    float32 scratch buffer of splits * N * C sums that the last block of each tile adds up."""
     _check_dtype(x, "x")
     n, c, h, w = _shape4(x.shape, "x")
     sn, sc, sh, sw = x.strides
@@ -269,7 +269,7 @@ def plan_global_avg_pool2d(x: Operand, *, epilogue=(), params=(), out_dtype=None
     else:
         base, rows = -(-(n * c) // (block // 32)), 32
     splits = 1
-    if base < TARGET_BLOCKS:
+    if base < TARGET_BLOCKS:  # (so a split has fewer tiles than common/grid_finish.cuh's counters)
         splits = max(1, min(-(-TARGET_BLOCKS // base), hw // (8 * rows)))
     chunk = -(-hw // splits)
     splits = -(-hw // chunk)
@@ -277,15 +277,9 @@ def plan_global_avg_pool2d(x: Operand, *, epilogue=(), params=(), out_dtype=None
     ints = _ints(index, (n, c, hw, sn, sc, s_hw, chunk))
     inv_hw = np.float32(1.0 / hw)
     grid = (base, splits, 1)
-    if splits == 1:
-        spec = GlobalAvgPoolSpec(stage="full", layout=layout, dtype=x.dtype, out_dtype=out, epilogue=epilogue,
-                                 vec=vec, index=index, block=block, cvb=cvb)
-        return Plan((Launch(spec, grid, (block, 1, 1), 0, ("y", "x"), ints + (inv_hw,) + params),))
-    partial = GlobalAvgPoolSpec(stage="partial", layout=layout, dtype=x.dtype, out_dtype="float32", epilogue=(),
-                                vec=vec, index=index, block=block, cvb=cvb)
-    finish = GlobalAvgPoolSpec(stage="finish", layout="", dtype="float32", out_dtype=out, epilogue=epilogue,
-                               vec=1, index=index, block=256)
-    return Plan((Launch(partial, grid, (block, 1, 1), 0, ("scratch0", "x"), ints),
-                 Launch(finish, _grid(n * c, 256, "x"), (256, 1, 1), 0, ("y", "scratch0"),
-                        _ints(index, (n * c,)) + (np.int32(splits), inv_hw) + params)),
-                scratch=(splits * n * c * 4,))
+    stage = "full" if splits == 1 else "split"
+    spec = GlobalAvgPoolSpec(stage=stage, layout=layout, dtype=x.dtype, out_dtype=out, epilogue=epilogue, vec=vec,
+                             index=index, block=block, cvb=cvb)
+    pointers = ("y", "x") if stage == "full" else ("y", "scratch0", "x")
+    return Plan((Launch(spec, grid, (block, 1, 1), 0, pointers, ints + (inv_hw,) + params),),
+                scratch=() if stage == "full" else (splits * n * c * 4,))

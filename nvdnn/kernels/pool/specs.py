@@ -19,7 +19,7 @@ DIVISORS = {"include_pad": "INCLUDE_PAD", "exclude_pad": "EXCLUDE_PAD", "overrid
 FIXED = ((3, 3, 2, 2), (2, 2, 2, 2))
 MAX_SPAN = 4   # backward: windows per dim holding one pixel, at most, for the unrolled loops
 SOURCES = ("indices",)   # where the max backward gather finds each window's argmax (from x: see _argmax_then_gather)
-STAGES = ("full", "partial", "finish")
+STAGES = ("full", "split")   # global average pool: one block per output tile, or its rows split
 VECS = (1, 2, 4, 8)
 BLOCKS = (64, 128, 256, 512)
 MIN_BLOCKS = (1, 2, 3, 4, 6, 8)
@@ -208,15 +208,15 @@ class Pool2dBackwardSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class GlobalAvgPoolSpec(KernelSpec):
-    """global_avg_pool2d. Pointers: full: y, x; partial: scratch, x; finish: y, scratch."""
+    """global_avg_pool2d. Pointers: y, x, and for a split, the scratch of partial sums."""
     family = "pool_global_avg"
     template = "pool/global_avg.cu.j2"
     tile_fields = ("block", "cvb")
 
     stage: str
-    layout: str                  # "" for the finish stage
-    dtype: str                   # what the stage reads (finish: the float32 partial sums)
-    out_dtype: str               # what it writes (partial: float32)
+    layout: str
+    dtype: str
+    out_dtype: str
     epilogue: tuple[tuple[str, str], ...]
     vec: int
     index: str
@@ -225,33 +225,26 @@ class GlobalAvgPoolSpec(KernelSpec):
 
     def validate(self) -> None:
         one_of(self.stage, STAGES, "stage")
-        one_of(self.layout, ("",) if self.stage == "finish" else LAYOUTS, "layout")
-        one_of(self.dtype, ("float32",) if self.stage == "finish" else DTYPES, "dtype")
-        one_of(self.out_dtype, ("float32",) if self.stage == "partial" else DTYPES, "out_dtype")
+        one_of(self.layout, LAYOUTS, "layout")
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.out_dtype, DTYPES, "out_dtype")
         pointwise.check_epilogue(self.epilogue)
-        if self.stage == "partial" and self.epilogue:
-            raise ValidationError("epilogue: partial sums take no epilogue (the finish stage applies it)",
-                                  arg="epilogue")
-        _check_vec(self.vec, self.layout or "nchw", self.dtype)
+        _check_vec(self.vec, self.layout, self.dtype)
         one_of(self.index, ("int32", "int64"), "index")
         one_of(self.block, BLOCKS, "block")
         one_of(self.cvb, CVBS if self.layout == "nhwc" else (1,), "cvb")
 
     @property
     def uri(self) -> str:
-        return (f"pool_global_avg/{self.stage}/{self.layout or '-'}/{_short(self.dtype)}->{_short(self.out_dtype)}"
+        return (f"pool_global_avg/{self.stage}/{self.layout}/{_short(self.dtype)}->{_short(self.out_dtype)}"
                 + _chain_uri(self.epilogue) + f"/v{self.vec}.{self.index}.b{self.block}c{self.cvb}")
 
     def render_context(self) -> dict:
         chain, params = _chain_context(self.epilogue, self.out_dtype)
         geometry = ["index_t N", "index_t C", "index_t HW", "index_t sN", "index_t sC", "index_t sHW",
                     "index_t chunk"]
-        kernel_params = {
-            "full": ["out_t* __restrict__ y", "const in_t* __restrict__ x"] + geometry + ["float inv_hw"] + params,
-            "partial": ["float* __restrict__ part", "const in_t* __restrict__ x"] + geometry,
-            "finish": ["out_t* __restrict__ y", "const float* __restrict__ part", "index_t NC", "int splits",
-                       "float inv_hw"] + params,
-        }[self.stage]
+        kernel_params = (["out_t* __restrict__ y"] + (["float* __restrict__ part"] if self.stage == "split" else [])
+                         + ["const in_t* __restrict__ x"] + geometry + ["float inv_hw"] + params)
         return {**chain, "index_t": "int" if self.index == "int32" else "long long",
                 "in_t": _ctype(self.dtype), "out_t": _ctype(self.out_dtype), "stage": self.stage,
                 "layout": self.layout, "vec": self.vec, "block": self.block, "cvb": self.cvb,
