@@ -270,6 +270,11 @@ def test_batch_norm_training_and_backward(layout, dtype):
         _close(dbeta, want_db, "float32", what + " dbeta", scale=m, acc=1e-6)
         _close(dgamma, want_dg, "float32", what + " dgamma", scale=m, acc=1e-5)
         _close(dx, want_dx, dtype, what + " dx", scale=np.abs(g64 * s_inv).max(), acc=1e-4)
+        plan = bn.plan_batch_norm_backward(operand(dy), operand(x), operand(saved_mean), operand(saved_invstd))
+        dx = _like(x, dtype)  # without gamma: dx only, as with gamma = 1
+        _run(plan, {"dx": dx, "dy": dy, "x": x, "saved_mean": saved_mean, "saved_invstd": saved_invstd})
+        want_dx = ref.batch_norm_backward(dy64, x64, s_mean, s_inv, np.ones_like(g64))[0]
+        _close(dx, want_dx, dtype, what + " dx without gamma", scale=np.abs(s_inv).max(), acc=1e-4)
         cupy.cuda.Device().synchronize()
 
 
