@@ -282,7 +282,7 @@ def test_batch_norm_training_and_backward(layout, dtype):
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_group_and_instance_norm(layout, dtype):
     for shape, groups in (((1, 6, 7, 7), 3), ((2, 16, 5, 3), 4), ((8, 64, 14, 14), 32), ((2, 32, 9), 8),
-                          ((4, 12), 3), ((3, 24, 1, 1), 24), ((2, 8, 17, 1), 1)):
+                          ((4, 12), 3), ((3, 24, 1, 1), 24), ((2, 8, 17, 1), 1), ((2, 64, 40, 40), 8)):
         c = shape[1]
         x, x64 = _tensor(shape, dtype, layout, 2.0, 6.0)
         (gamma, g64), (beta, b64) = _channels(c), _channels(c, low=-1, high=1)
@@ -302,6 +302,11 @@ def test_group_and_instance_norm(layout, dtype):
         y = _like(x, dtype)
         _run(bn.plan_instance_norm(operand(x), eps=1e-5), {"y": y, "x": x})
         _close(y, ref.instance_norm(x64, eps=1e-5), dtype, f"instance_norm {layout} {shape}", scale=1.0, acc=1e-4)
+        y = _like(x, dtype)  # per (sample, channel) statistics, gamma and beta by channel
+        _run(bn.plan_instance_norm(operand(x), operand(gamma), operand(beta), eps=1e-5),
+             {"y": y, "x": x, "gamma": gamma, "beta": beta})
+        _close(y, ref.group_norm(x64, c, g64, b64, eps=1e-5), dtype, f"instance_norm affine {layout} {shape}",
+               scale=1.0, acc=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

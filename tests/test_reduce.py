@@ -181,11 +181,18 @@ def test_other_specs_validate_and_round_trip():
     with pytest.raises(ValidationError, match="bx"):
         R.ColReduceSpec(kind="plain", op="sum", stage="full", input="float32", output="float32", vec=4,
                         index="int32", bx=32, block=32)
-    with pytest.raises(ValidationError, match="mode"):  # training batch_norm finishes in its split
-        bn.StatsSpec(mode="bn", param="float32", affine=True)
     moments = dict(kind="moments", op="sum", stage="split", input="float16", output="float32", vec=8,
                    index="int32", param="bfloat16", affine=True, update=True)
     assert ".bn.pbf16.affine.update/" in R.ColReduceSpec(**moments).uri
+    rows = dict(moments, access="vec", kdims=2, rdims=1, update=False, per_group=True, group=32)
+    assert ".gn.pbf16.affine/" in R.RowReduceSpec(**rows).uri  # a group norm's finish may take a warp, unsplit
+    for changes, arg in ((dict(stage="partial"), "stage"), (dict(stage="full"), "kind"),
+                         (dict(update=True), "update"), (dict(kind="dydx"), "per_group"),
+                         (dict(per_group=False), "group"), (dict(kind="plain"), "param")):
+        with pytest.raises(ValidationError) as info:
+            R.RowReduceSpec(**{**rows, **changes})
+        assert info.value.arg == arg, changes
+    assert ".gn.pbf16.affine/" in R.ColReduceSpec(**{**moments, "update": False, "per_group": True}).uri
     affine = dict(input="float16", output="float16", param="float32", source="coef", affine=False, backward=True,
                   layout="col", per_sample=False, steps=(), vec=8, index="int32")
     bn.AffineSpec(**affine)
@@ -480,7 +487,7 @@ def warmed(tmp_path_factory):
 def test_preset_is_broad_and_distinct():
     specs = R.preset()
     assert 100 <= len(specs) <= 400 and len(set(specs)) == len(specs)
-    assert {s.family for s in specs} == {"reduce_rows", "reduce_cols", "reduce_stats", "reduce_affine"}
+    assert {s.family for s in specs} == {"reduce_rows", "reduce_cols", "reduce_affine"}
     assert all(R.unsupported_reason(s, "sm_80") is None for s in specs)
     assert all(len(R.candidates(s)) >= 1 for s in specs)
 

@@ -2,20 +2,16 @@
 instance_norm forward, for (N, C), (N, C, L) and (N, C, H, W) inputs whose strides are dense
 NCHW or NHWC (dims always in N, C, spatial order: the strides say the layout).
 
-Each op is a short plan over these kernels:
+Each op is a short plan of at most two kernels:
   statistics  a split reduction of kernels/reduce.py: shifted moments per channel (batch) or
               per sample and group (group), or the backward sums [sum dy, sum dy * (x - mean)]
-              per channel. For batch norm its last block per channel tile finishes the job
-              (reduce/moments.cuh.j2): mean, inverse std and running statistics, or dgamma and
-              dbeta, and the float4 coefficients (mu, a, b, A) of the pass that writes the
-              output. For group norm it leaves float32 records in scratch for
-  stats       templates/reduce/stats.cu.j2, a warp per sample and channel: the statistics and
-              coefficients of each group;
+              per channel. Its last block per output finishes the job (reduce/moments.cuh.j2):
+              mean, inverse std and running statistics, or dgamma and dbeta, and the float4
+              coefficients (mu, a, b, A) of the pass that writes the output;
   affine      templates/reduce/affine.cu.j2: y = epilogue((x - mu) * a + b), or for the
               backward dx = (x - mu) * a + b + dy * A, launched as a dependent grid.
 Inference is the affine pass alone, its coefficients computed in the kernel from the running
-statistics; training batch norm and its backward are two launches, group norm three. eps,
-momentum and epilogue parameters are kernel arguments.
+statistics. eps, momentum and epilogue parameters are kernel arguments.
 """
 from __future__ import annotations
 
@@ -31,46 +27,10 @@ from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
 from .pointwise import Operand, chain_params, chain_steps, check_epilogue
-from .reduce import DTYPES, KINDS, BatchNormFinish, check_operand, split_reduce
+from .reduce import DTYPES, NormFinish, check_operand, split_reduce
 
-STATS_MODES = ("gn",)   # batch norm (training forward and backward) finishes in the split
 AFFINE_BLOCKS = (64, 128, 256, 512, 1024)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
-
-
-@dataclass(frozen=True)
-class StatsSpec(KernelSpec):
-    family = "reduce_stats"
-    template = "reduce/stats.cu.j2"
-
-    mode: str        # gn (see the template)
-    param: str       # data type of gamma, beta, dgamma, dbeta
-    affine: bool     # gamma (and beta) given
-    block: int = 256
-
-    def validate(self) -> None:
-        one_of(self.mode, STATS_MODES, "mode")
-        one_of(self.param, DTYPES, "param")
-        one_of(self.affine, (False, True), "affine")
-        one_of(self.block, (128, 256), "block")
-
-    @property
-    def uri(self) -> str:
-        return (f"reduce_stats/{self.mode}/{dtypes.BY_NAME[self.param].short}"
-                f"{'.affine' if self.affine else ''}/b{self.block}")
-
-    def pointers(self) -> list[str]:
-        """Kernel pointer parameters with their roles ('coef' and 'part' are scratch)."""
-        return ["coef", "saved_mean", "saved_invstd"] + (["gamma", "beta"] if self.affine else []) + ["part"]
-
-    def render_context(self) -> dict:
-        types = {"coef": "float4*", "saved_mean": "float*", "saved_invstd": "float*", "part": "const float*",
-                 "gamma": "const param_t*", "beta": "const param_t*"}
-        ints = ["n", "channels", "group_size", "splits", "stride_out", "stride_split"]
-        return {"mode": self.mode, "param_ctype": dtypes.BY_NAME[self.param].ctype, "affine": self.affine,
-                "block": self.block, "nrec": KINDS["moments"],
-                "kernel_params": [f"{types[p]} __restrict__ {p}" for p in self.pointers()]
-                + [f"long long {i}" for i in ints] + ["float count", "float eps"]}
 
 
 @dataclass(frozen=True)
@@ -370,16 +330,6 @@ def _col_loop(cv: int, backward: bool, per_sample: bool, itemsize: int) -> dict:
     return {"bx": min(32, 1 << math.ceil(math.log2(cv))), **COL_LOOPS[kind]}
 
 
-def _stats(mode: str, param: str, affine: bool, records, *, n: int, channels: int, group_size: int,
-           count: int, eps: float = 0.0, pointers: dict) -> Launch:
-    spec = StatsSpec(mode=mode, param=param, affine=affine)
-    roles = {"part": records.role, **pointers}
-    return Launch(spec, (-(-n // (spec.block // 32)), 1, 1), (spec.block, 1, 1), 0, tuple(roles.get(p, p) for p in spec.pointers()),
-                  tuple(np.int64(v) for v in (n, channels, group_size, records.splits, records.stride_out,
-                                              records.stride_split))
-                  + (np.float32(count), np.float32(eps)))
-
-
 def _stat_axes(x: Operand) -> tuple[int, ...]:
     return (0,) + tuple(range(2, len(x.shape)))
 
@@ -424,7 +374,7 @@ def plan_batch_norm_training(x: Operand, gamma: Operand | None, beta: Operand | 
                               f"{count} for shape {tuple(x.shape)}", arg="x")
     steps = check_epilogue(epilogue, params)
     eps, momentum = _float(eps, "eps", positive=True), _float(momentum, "momentum")
-    finish = BatchNormFinish(param, gamma is not None, running_mean is not None, count, eps, momentum, "scratch1")
+    finish = NormFinish(param, gamma is not None, running_mean is not None, count, eps, momentum, "scratch1")
     split = split_reduce("moments", "sum", x, _stat_axes(x), "float32", bn=finish)
     apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", steps=steps, params=params,
                     pointers={"coef": finish.coef})
@@ -443,7 +393,7 @@ def plan_batch_norm_backward(dy: Operand, x: Operand, saved_mean: Operand, saved
     _pair(dy, x, ("dy", "x"))
     _per_channel({"saved_mean": saved_mean, "saved_invstd": saved_invstd}, lay.c, dtype="float32")
     param = _per_channel({"gamma": gamma}, lay.c) or "float32"
-    finish = BatchNormFinish(param, gamma is not None, False, lay.n * lay.hw, 0.0, 0.0, "scratch1")
+    finish = NormFinish(param, gamma is not None, False, lay.n * lay.hw, 0.0, 0.0, "scratch1")
     split = split_reduce("dydx", "sum", x, _stat_axes(x), "float32", dy=dy, bn=finish)
     apply = _affine(lay, x, _out_dtype(dx_dtype, x, "dx_dtype"), dx_align, source="coef", backward=True,
                     pointers={"coef": finish.coef, "y": "dx"}, extra_align=dy.align)
@@ -456,7 +406,8 @@ def plan_group_norm(x: Operand, groups: int, gamma: Operand | None = None, beta:
     """Statistics over (C / groups, spatial) per sample and group; y = epilogue((x - mean) *
     invstd * gamma[c] + beta[c]). Roles "y", "x", "gamma", "beta", and with ``save_stats``
     "saved_mean", "saved_invstd" (float32, (N, groups)); scratch: the split records,
-    N*C float4 coefficients (and the statistics when not saved)."""
+    N*C float4 coefficients (and the statistics when not saved). Two launches: the moments
+    (their last block per sample and group finishes the statistics), then the affine pass."""
     lay = layout_of(x)
     if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
         raise ValidationError(f"groups: {groups!r} must be a positive int", arg="groups")
@@ -471,20 +422,14 @@ def plan_group_norm(x: Operand, groups: int, gamma: Operand | None = None, beta:
         view = Operand(x.dtype, (lay.n, groups, cg, lay.hw), (lay.c * lay.hw, cg * lay.hw, lay.hw, 1), x.align)
     else:
         view = Operand(x.dtype, (lay.n, groups, cg, lay.hw), (lay.hw * lay.c, cg, 1, lay.c), x.align)
-    split = split_reduce("moments", "sum", view, (2, 3), "float32")
-    k = len(split.scratch)
-    coef = f"scratch{k}"
-    scratch = [*split.scratch, 16 * lay.n * lay.c]
-    saved = {}
-    if not save_stats:
-        saved = {"saved_mean": f"scratch{k + 1}", "saved_invstd": f"scratch{k + 2}"}
-        scratch += [4 * lay.n * groups] * 2
-    stats = _stats("gn", param, gamma is not None, split.records, n=lay.n * lay.c, channels=lay.c,
-                   group_size=cg, count=cg * lay.hw, eps=_float(eps, "eps", positive=True),
-                   pointers={"coef": coef, **saved})
+    saved = ("saved_mean", "saved_invstd") if save_stats else ("scratch2", "scratch3")
+    finish = NormFinish(param, gamma is not None, False, cg * lay.hw, _float(eps, "eps", positive=True), 0.0,
+                        "scratch1", group_size=cg, channels=lay.c, saved=saved)
+    split = split_reduce("moments", "sum", view, (2, 3), "float32", bn=finish)
+    scratch = [*split.scratch, 16 * lay.n * lay.c] + ([] if save_stats else [4 * lay.n * groups] * 2)
     apply = _affine(lay, x, _out_dtype(out_dtype, x), out_align, source="coef", per_sample=True, steps=steps,
-                    params=params, pointers={"coef": coef})
-    return Plan((*split.launches, stats, apply), tuple(scratch))
+                    params=params, pointers={"coef": finish.coef})
+    return Plan((*split.launches, apply), tuple(scratch))
 
 
 def plan_instance_norm(x: Operand, gamma: Operand | None = None, beta: Operand | None = None, **kwargs) -> Plan:

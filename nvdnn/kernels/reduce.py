@@ -11,8 +11,10 @@ order, reduced dims in any order), a request takes one of two kernels:
 When outputs are too few to fill the GPU, blocks split the reduced space and write float32
 partials to scratch; the last block of an output tile to arrive (common/grid_finish.cuh)
 combines them in a fixed order and writes the output in the same launch (stage "split":
-deterministic, no atomics on the data; for batch-norm moments it also writes the statistics
-and coefficients). Sizes and strides are kernel arguments; the spec keeps only dim counts.
+deterministic, no atomics on the data). The channel norms' moments and backward sums always
+take that stage: their finish writes the statistics, or dgamma and dbeta, and the affine
+pass's coefficients (NormFinish). Sizes and strides are kernel arguments; the spec keeps only
+dim counts.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ OPS = {
     "prod": ("ReduceProd", "", ""),
 }
 # plain: OPS[op]; moments: [S1, S2, shift] of x - shift; dydx: [sum dy, sum dy * (x - mean)].
-KINDS = {"plain": 1, "moments": 3, "dydx": 2}   # kind -> floats per partial record of stage "partial"
-# full: one block per output; partial: records for a statistics kernel; split: records that the
-# last block to arrive finishes (a split record holds the accumulators only)
-STAGES = {"plain": ("full", "split"), "moments": ("partial", "split"), "dydx": ("split",)}
+KINDS = {"plain": 1, "moments": 2, "dydx": 2}   # kind -> accumulators (the floats of a split record)
+# full: one block per output; split: records that the last block to arrive finishes. Moments
+# and dydx always end in a norm's finish (NormFinish), so always in the split stage.
+STAGES = {"plain": ("full", "split"), "moments": ("split",), "dydx": ("split",)}
 DTYPES = ("float32", "float16", "bfloat16")
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 UNROLLS = (1, 2, 4, 8)
@@ -56,7 +58,7 @@ _INT32_LIMIT = 2 ** 31 - 1
 def _check_common(spec) -> None:
     one_of(spec.kind, tuple(KINDS), "kind")
     one_of(spec.op, tuple(OPS), "op")
-    one_of(spec.stage, ("full", "partial", "split"), "stage")
+    one_of(spec.stage, ("full", "split"), "stage")
     one_of(spec.input, DTYPES, "input")
     one_of(spec.output, DTYPES, "output")
     one_of(spec.vec, VECS, "vec")
@@ -73,32 +75,31 @@ def _check_common(spec) -> None:
     one_of(spec.param, DTYPES, "param")
     one_of(spec.affine, (False, True), "affine")
     one_of(spec.update, (False, True), "update")
-    if not _bn(spec) and (spec.param, spec.affine, spec.update) != ("float32", False, False):
-        raise ValidationError("param: gamma, beta and running statistics belong to a batch-norm finish "
-                              "(kind 'moments' or 'dydx', stage 'split')", arg="param")
-    if spec.kind == "dydx" and spec.update:
-        raise ValidationError("update: the backward's finish (kind 'dydx') has no running statistics", arg="update")
+    one_of(spec.per_group, (False, True), "per_group")
+    if spec.kind == "plain" and (spec.param, spec.affine, spec.update, spec.per_group) != ("float32", False, False,
+                                                                                            False):
+        raise ValidationError("param: gamma, beta, running statistics and groups belong to a norm's finish "
+                              "(kind 'moments' or 'dydx')", arg="param")
+    if spec.update and (spec.kind == "dydx" or spec.per_group):
+        raise ValidationError("update: only batch norm's forward updates running statistics", arg="update")
+    if spec.per_group and spec.kind != "moments":
+        raise ValidationError("per_group: group statistics finish moments (kind 'moments')", arg="per_group")
     if spec.vec * dtypes.BY_NAME[spec.input].itemsize > 16:
         raise ValidationError(f"vec: {spec.vec} elements of {spec.input} exceed 16 bytes", arg="vec")
 
 
-def _bn(spec) -> bool:
-    """A split of batch-norm moments or backward sums: its last block writes the statistics, or
-    dgamma and dbeta, and the affine pass's coefficients (reduce/moments.cuh.j2)."""
-    return spec.kind in ("moments", "dydx") and spec.stage == "split"
-
-
 def _context(spec, acc: str, ints) -> dict:
     combine, map_, finish = OPS[spec.op]
-    nacc = min(KINDS[spec.kind], 2)
-    scalars = ["inv_count"] + (["count", "eps", "momentum"] if _bn(spec) else [])
+    norm = spec.kind != "plain"
+    scalars = ["inv_count"] + (["count", "eps", "momentum"] if norm else [])
     return {
         "index_t": "int" if spec.index == "int32" else "long long",
         "in_ctype": dtypes.BY_NAME[spec.input].ctype, "out_ctype": dtypes.BY_NAME[spec.output].ctype,
         "param_ctype": dtypes.BY_NAME[spec.param].ctype, "affine": spec.affine, "update": spec.update,
+        "per_group": spec.per_group,
         "combine": combine, "map": map_,
         "vec": spec.vec, "block": spec.block, "unroll": spec.unroll, "kind": spec.kind, "stage": spec.stage,
-        "nacc": nacc, "nrec": KINDS[spec.kind] if spec.stage == "partial" else nacc,
+        "nacc": KINDS[spec.kind],
         "finish": {"": acc, "mean": f"{acc} * inv_count", "sqrt": f"sqrtf({acc})"}[finish],
         "kernel_params": [f"{ctype} __restrict__ {name}" for name, ctype in _pointers(spec)]
         + [f"index_t {n}" for n in ints] + [f"float {n}" for n in scalars],
@@ -108,15 +109,15 @@ def _context(spec, acc: str, ints) -> dict:
 def _pointers(spec) -> list[tuple[str, str]]:
     """(kernel parameter, C type) of each pointer, in order; the launch binds each by its name's
     role ("part" and "coef" are scratch; dydx reads "saved_mean" as ``mean``)."""
-    if _bn(spec) and spec.kind == "dydx":
+    if spec.kind == "dydx":
         out = [("coef", "float4*")] + ([("dgamma", "param_t*"), ("dbeta", "param_t*")] if spec.affine else [])
         out += [("saved_invstd", "const float*")] + ([("gamma", "const param_t*")] if spec.affine else [])
-    elif _bn(spec):
+    elif spec.kind == "moments":
         out = [("coef", "float4*"), ("saved_mean", "float*"), ("saved_invstd", "float*")]
         out += [("running_mean", "param_t*"), ("running_var", "param_t*")] if spec.update else []
         out += [("gamma", "const param_t*"), ("beta", "const param_t*")] if spec.affine else []
     else:
-        out = [] if spec.stage == "partial" else [("y", "out_t*")]
+        out = [("y", "out_t*")]
     out += [] if spec.stage == "full" else [("part", "float*")]
     out += [("dy", "const in_t*"), ("x", "const in_t*"), ("mean", "const float*")] if spec.kind == "dydx" else [
         ("x", "const in_t*")]
@@ -124,8 +125,8 @@ def _pointers(spec) -> list[tuple[str, str]]:
 
 
 def _kind_uri(spec) -> str:
-    bn = (f".bn.p{dtypes.BY_NAME[spec.param].short}{'.affine' if spec.affine else ''}"
-          f"{'.update' if spec.update else ''}") if _bn(spec) else ""
+    bn = (f".{'gn' if spec.per_group else 'bn'}.p{dtypes.BY_NAME[spec.param].short}"
+          f"{'.affine' if spec.affine else ''}{'.update' if spec.update else ''}") if spec.kind != "plain" else ""
     return (f"{spec.kind}.{spec.op}/{spec.stage}{bn}/{dtypes.BY_NAME[spec.input].short}"
             f"->{dtypes.BY_NAME[spec.output].short}")
 
@@ -150,9 +151,10 @@ class RowReduceSpec(KernelSpec):
     group: int = 256  # threads per output: 32 (a warp) or the block
     block: int = 256
     unroll: int = 4
-    param: str = "float32"   # batch-norm finish (moments, split): gamma, beta, running statistics
+    param: str = "float32"   # a norm's finish (moments, dydx): gamma, beta, running statistics
     affine: bool = False
     update: bool = False
+    per_group: bool = False  # the finish writes every channel of each output's group (group norm)
 
     def validate(self) -> None:
         _check_common(self)
@@ -166,8 +168,9 @@ class RowReduceSpec(KernelSpec):
         if self.block < 64:
             raise ValidationError(f"block: rows kernels take 64 to 1024 threads, got {self.block}", arg="block")
         one_of(self.group, (32, self.block), "group")
-        if self.stage == "split" and self.group != self.block:
-            raise ValidationError("group: a split reduction takes a block per output", arg="group")
+        if self.stage == "split" and self.group != self.block and not self.per_group:
+            raise ValidationError("group: a split reduction takes a block per output (a group norm's finish "
+                                  "may take a warp, unsplit)", arg="group")
 
     @property
     def uri(self) -> str:
@@ -178,6 +181,7 @@ class RowReduceSpec(KernelSpec):
         ints = ["n_out", "n_inner", "lv", "total", "chunk"] + (["istride"] if self.access == "gat" else [])
         ints += [f"ks{d}" for d in range(1, self.kdims)] + [f"kst{d}" for d in range(self.kdims)]
         ints += [f"rs{d}" for d in range(1, self.rdims)] + [f"rst{d}" for d in range(self.rdims)]
+        ints += ["group_size", "channels"] if self.per_group else []
         return dict(_context(self, "acc[0]", ints), group=self.group, access=self.access, kdims=self.kdims,
                     rdims=self.rdims, tail=self.access == "vec" and self.rdims == 0 and self.vec > 1)
 
@@ -199,9 +203,10 @@ class ColReduceSpec(KernelSpec):
     bx: int = 32      # threads along the contiguous kept dim; block / bx along the reduced dim
     block: int = 256
     unroll: int = 4
-    param: str = "float32"   # batch-norm finish (moments, split): gamma, beta, running statistics
+    param: str = "float32"   # a norm's finish (moments, dydx): gamma, beta, running statistics
     affine: bool = False
     update: bool = False
+    per_group: bool = False  # the finish writes every channel of each output's group (group norm)
 
     def validate(self) -> None:
         _check_common(self)
@@ -209,7 +214,7 @@ class ColReduceSpec(KernelSpec):
         if self.bx * 2 > self.block:
             raise ValidationError(f"bx: {self.bx} columns leave fewer than two rows in a block of "
                                   f"{self.block}", arg="bx")
-        floats = min(KINDS[self.kind], 2) * self.vec * self.block
+        floats = KINDS[self.kind] * self.vec * self.block
         if floats * 4 > 48 * 1024:
             raise ValidationError(f"block: {self.block} threads x {self.vec} columns need {floats * 4} bytes "
                                   "of shared memory (limit 48 KiB)", arg="block")
@@ -219,7 +224,8 @@ class ColReduceSpec(KernelSpec):
         return f"reduce_cols/{_kind_uri(self)}/v{self.vec}.{self.index}.x{self.bx}b{self.block}u{self.unroll}"
 
     def render_context(self) -> dict:
-        ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"]
+        ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"] + (
+            ["group_size", "channels"] if self.per_group else [])
         # dydx reads two tensors and finishes batch norm's backward: ptxas's own register budget
         # (48 a thread) spilled it. 768 threads an SM (85 registers) keep ample loads in flight.
         min_blocks = 768 // self.block if self.kind == "dydx" else 0
@@ -228,19 +234,9 @@ class ColReduceSpec(KernelSpec):
 
 # -- planning ---------------------------------------------------------------------------------------
 
-class Records(NamedTuple):
-    """Where a split reduction left its partial records: record (out, split) is at
-    (out * stride_out + split * stride_split) * KINDS[kind] floats into scratch ``role``."""
-    role: str
-    splits: int
-    stride_out: int
-    stride_split: int
-
-
 class Split(NamedTuple):
     launches: list
     scratch: list        # byte sizes, the plan's scratch buffers from ``first_scratch`` on
-    records: Records | None
 
 
 def normalize_axes(axes, ndim: int, *, arg: str = "axes") -> tuple[int, ...]:
@@ -327,10 +323,12 @@ def _args(index: str, ints, floats=()) -> tuple:
     return tuple(int_t(v) for v in ints) + tuple(np.float32(f) for f in floats)
 
 
-class BatchNormFinish(NamedTuple):
-    """What the last block of a batch-norm split writes (reduce/moments.cuh.j2): from moments,
-    saved statistics and running statistics when ``update``; from backward sums (dydx), dgamma
-    and dbeta when ``affine``; from either, coefficients at scratch role ``coef``."""
+class NormFinish(NamedTuple):
+    """What the last block of a norm's split writes (reduce/moments.cuh.j2): from moments, the
+    statistics at roles ``saved`` (mean, inverse std) and the running statistics when
+    ``update``; from backward sums (dydx), dgamma and dbeta when ``affine``; from either, the
+    affine pass's float4 coefficients at scratch role ``coef``, one per output, or with
+    ``group_size`` (group norm) one per channel of each output's group of ``channels``."""
     param: str
     affine: bool
     update: bool
@@ -338,16 +336,20 @@ class BatchNormFinish(NamedTuple):
     eps: float
     momentum: float
     coef: str
+    group_size: int = 0
+    channels: int = 0
+    saved: tuple = ("saved_mean", "saved_invstd")
 
 
 def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtype: str, *,
                  first_scratch: int = 0, dy: Operand | None = None, tile=None, split: bool = True,
-                 bn: BatchNormFinish | None = None) -> Split:
+                 bn: NormFinish | None = None) -> Split:
     """The launch that reduces ``axes`` of ``x`` (normalized, checked). Plain kinds end in "y"
-    (a split finishes in its last block); with ``bn`` moments end as batch-norm statistics and
-    dydx as dgamma and dbeta, either with the affine pass's coefficients; otherwise they end as
-    partial records in scratch (see Records) for a statistics kernel. ``dy`` (dydx only) shares
-    x's shape and strides."""
+    (a split finishes in its last block); moments and dydx take ``bn``, the norm's finish (their
+    statistics, or dgamma and dbeta, and the affine pass's coefficients). ``dy`` (dydx only)
+    shares x's shape and strides."""
+    if (kind == "plain") != (bn is None):
+        raise ValidationError(f"kind: {kind} reductions {'take no' if bn else 'need a'} norm finish", arg="kind")
     reduced = set(axes)
     kept = _merge([(s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a not in reduced])
     red = _merge(sorted(((s, st) for a, (s, st) in enumerate(zip(x.shape, x.strides)) if s > 1 and a in reduced),
@@ -363,8 +365,8 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
         raise ValidationError(f"tile: this reduction runs the {'column' if use_cols else 'row'} kernel, "
                               f"not {tile.family}", arg="tile")
 
-    def stage_of(splits):  # a batch-norm finish runs in the split stage even on one split
-        return "partial" if kind != "plain" and bn is None else "split" if splits > 1 or bn else "full"
+    def stage_of(splits):  # a norm's finish runs in the split stage even on one split
+        return "split" if splits > 1 or bn else "full"
 
     if use_cols:
         outer, inner = (kept[0] if len(kept) == 2 else (1, 0)), kept[-1]
@@ -382,9 +384,9 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
         tiles = outer[0] * ncb
         splits, rchunk = _splits(rows, tiles, (block // bx) * unroll * 2) if split else (1, rows)
         ints = [outer[0], rows, inner[0], outer[1], rstride, rchunk, ncb]
+        ints += [bn.group_size, bn.channels] if bn and bn.group_size else []
         index = _index(extent + block * unroll * rstride, splits * n_out * KINDS[kind], n_out * count)
         loop = {"bx": bx, "block": block, "unroll": unroll}
-        stride_out, stride_split = 1, n_out
     else:
         if red and red[-1][1] == 1:
             access, (length, istride), outer_dims = "vec", red[-1], red[:-1]
@@ -398,7 +400,7 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
             group, block, unroll = (32 if tile.group == 32 else tile.block), tile.block, tile.unroll
         else:
             block, unroll = 256, 4
-            group = 32 if total <= 512 and bn is None else block
+            group = 32 if total <= 512 and (bn is None or bn.group_size) else block
         tiles = _cdiv(n_out, block // group)
         if group == 32 or not split:
             splits, chunk = 1, max(total, 1)
@@ -409,25 +411,26 @@ def split_reduce(kind: str, op: str, x: Operand, axes: tuple[int, ...], out_dtyp
         ints = [n_out, length, lv, total, chunk] + ([istride] if access == "gat" else [])
         ints += [s for s, _ in kept[1:]] + [st for _, st in kept]
         ints += [s for s, _ in outer_dims[1:]] + [st for _, st in outer_dims]
+        ints += [bn.group_size, bn.channels] if bn and bn.group_size else []
         loop = {"access": access, "kdims": len(kept), "rdims": len(outer_dims), "group": group, "block": block,
                 "unroll": unroll}
-        stride_out, stride_split = splits, 1
     stage = stage_of(splits)
     if stage == "split" and splits > 1 and tiles > GRID_COUNTERS:
         raise UnsupportedError(f"x: a split reduction over {tiles} output tiles exceeds the {GRID_COUNTERS} "
                                "counters of one launch", arg="x")
-    finish = {"param": bn.param, "affine": bn.affine, "update": bn.update} if bn else {}
+    finish = dict(param=bn.param, affine=bn.affine, update=bn.update, per_group=bn.group_size > 0) if bn else {}
     cls = ColReduceSpec if use_cols else RowReduceSpec
     spec = cls(kind=kind, op=op, stage=stage, input=x.dtype, output=out_dtype if kind == "plain" else "float32",
                vec=vec, index=index, **loop, **finish)
-    roles = {"part": part_role, "mean": "saved_mean", **({"coef": bn.coef} if bn else {})}
+    roles = {"part": part_role, "mean": "saved_mean"}
+    if bn:
+        roles.update(coef=bn.coef, saved_mean=bn.saved[0], saved_invstd=bn.saved[1])
     scalars = [1.0 / count] + ([bn.count, bn.eps, bn.momentum] if bn else [])
     grid = (tiles, splits, 1)
     launch = Launch(spec, grid, (block, 1, 1), 0, tuple(roles.get(n, n) for n, _ in _pointers(spec)),
                     _args(index, ints, scalars))
-    scratch = [] if stage == "full" else [4 * spec.render_context()["nrec"] * n_out * splits]
-    records = Records(part_role, splits, stride_out, stride_split) if stage == "partial" else None
-    return Split([launch], scratch, records)
+    scratch = [] if stage == "full" else [4 * KINDS[kind] * n_out * splits]
+    return Split([launch], scratch)
 
 
 def plan_reduce(op: str, x: Operand, axes=None, *, out_dtype: str | None = None, tile=None) -> Plan:
