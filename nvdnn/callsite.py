@@ -23,7 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import config
 from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
+from .runtime import DependentFunction, PackedLaunch, cu_stream
 
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
 SEEN_LIMIT = 64    # address tuples whose overlap pattern a signature remembers
@@ -230,6 +232,7 @@ class _Launch(NamedTuple):
     addresses: tuple  # (slot, kind, index, byte offset, as a CuPy pointer): an address, or one inside an array
     deferred: tuple   # (slot, argument) per argument resolved at launch (a TMA tensor map)
     resolved: dict    # (slot, address) -> that argument's value, as the launch passes it
+    packed: object    # a runtime.PackedLaunch (every pointer then an address fill), or None: CuPy launches
 
 
 DEPENDENT_MIN_BYTES = 64 << 20  # a replay moving less launches dependent kernels the ordinary way
@@ -243,12 +246,19 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     arguments are packed as they come it costs the same (RESULTS, session 16), and a lower
     threshold is yet to be measured on whole sweeps. A CuPy launch gets its constants and
     addresses as CuPy's own argument objects, made once; the pointer a tensor map is built over
-    stays an address."""
-    from .runtime import DependentFunction
+    stays an address. Where every constant fits a slot and nothing resolves at launch, the
+    replay launches through the driver with the constants packed once (runtime.PackedLaunch;
+    NVDNN_LAUNCH=cupy keeps CuPy's launch)."""
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
-    cupy_launch = not isinstance(function, DependentFunction)
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
+    constants = {slot: s[1] for slot, s in enumerate(sources) if s[0] == "c"}
+    if (not deferred and type(getattr(function, "ptr", None)) is int and config.get("NVDNN_LAUNCH") == "driver"
+            and not isinstance(function, DependentFunction) and all(map(PackedLaunch.packable, constants.values()))):
+        fills = tuple((slot, _KINDS[s[0]], s[1], s[2], False) for slot, s in enumerate(sources) if s[0] != "c")
+        packed = PackedLaunch(function, grid, block, shared_mem, constants, len(sources))
+        return _Launch(function, grid, block, shared_mem, [], (), fills, (), {}, packed)
+    cupy_launch = not isinstance(function, DependentFunction)
     mapped = {arg.pointer for _, arg in deferred}
     template, objects, addresses = [], [], []
     for slot, source in enumerate(sources):
@@ -266,7 +276,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
             objects.append((slot, kind, index))
         else:
             addresses.append((slot, kind, index, offset, cupy_launch and slot not in mapped))
-    return _Launch(function, grid, block, shared_mem, template, tuple(objects), tuple(addresses), deferred, {})
+    return _Launch(function, grid, block, shared_mem, template, tuple(objects), tuple(addresses), deferred, {}, None)
 
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
@@ -279,13 +289,23 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     objects = (arrays, made, scratch)
     places = None
     for launch in launches:
-        function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _ = launch
+        function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _, packed = launch
+        if packed is not None:
+            places = places or _places(addresses, made, outputs, scratch)
+            handle = cu_stream(stream.ptr if stream is not None else _CUPY.cuda.get_current_stream().ptr)
+            buffer = packed.buffer
+            with packed.lock:
+                for slot, kind, index, offset, _ in pointer_fills:
+                    buffer[slot] = places[kind][index] + offset
+                status, = packed.launch(*packed.head, handle, packed.table, 0)
+            if status != packed.success:
+                packed.failed(status, handle)
+            continue
         args = template.copy()
         for slot, kind, index in fills:
             args[slot] = objects[kind][index]
         if pointer_fills:
-            places = places or (addresses, [x.data.ptr if o.torch is None else x.data_ptr() for x, o in zip(made, outputs)],
-                                [m.ptr for m in scratch])
+            places = places or _places(addresses, made, outputs, scratch)
             for slot, kind, index, offset, cupy_pointer in pointer_fills:
                 address = places[kind][index] + offset
                 args[slot] = _CUPY.cuda.function.CIntptr(address) if cupy_pointer else address
@@ -297,6 +317,12 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     return _result(result, arrays, made)
 
 
+def _places(addresses, made, outputs, scratch) -> tuple:
+    """The addresses of a replay's inputs, outputs and scratch buffers (indexed as _KINDS)."""
+    return (addresses, [x.data.ptr if o.torch is None else x.data_ptr() for x, o in zip(made, outputs)],
+            [m.ptr for m in scratch])
+
+
 def _resolved(launch: _Launch, slot: int, arg, pointer):
     """``arg`` (a tensor map) over ``pointer``'s address, kept per launch and address: a repeat
     call on the same arrays (the usual case under a caching allocator) builds nothing."""
@@ -305,17 +331,12 @@ def _resolved(launch: _Launch, slot: int, arg, pointer):
     value = launch.resolved.get(key)
     if value is None:
         value = arg.resolve(address)
-        if not isinstance(launch.function, _dependent()):
+        if not isinstance(launch.function, DependentFunction):
             value = _CUPY.cuda.function.CNumpyArray(value)
         if len(launch.resolved) >= RESOLVED_LIMIT:
             launch.resolved.clear()
         launch.resolved[key] = value
     return value
-
-
-def _dependent():
-    from .runtime import DependentFunction
-    return DependentFunction
 
 
 def _result(shape, arrays, made):

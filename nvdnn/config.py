@@ -24,6 +24,13 @@ def _log_level(text: str) -> str:
     return level
 
 
+def _launch_route(text: str) -> str:
+    route = text.strip().lower() or "driver"
+    if route not in ("driver", "cupy"):
+        raise ValueError(f"NVDNN_LAUNCH={text!r}: use driver or cupy")
+    return route
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -47,6 +54,9 @@ SETTINGS = {s.name: s for s in (
     Setting("NVDNN_PLAN_KEY_FILE", _text, "",
             "file holding a plan-blob signing key (32+ random bytes): Graph.serialize signs with it, and "
             "Graph.deserialize refuses any blob not signed with it"),
+    Setting("NVDNN_LAUNCH", _launch_route, "driver",
+            "how a repeat functional call launches its kernels: driver (cuLaunchKernel, arguments packed "
+            "once) | cupy (CuPy's launch, which converts every argument each call)"),
     Setting("NVDNN_CUDA_INCLUDE", _text, "",
             "folder holding cuda_fp16.h and friends (default: the nvidia-cuda-runtime package, "
             "then $CUDA_PATH/include)"),

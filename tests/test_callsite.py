@@ -307,3 +307,46 @@ def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy
     y = f(x, stream=Stream())
     assert counts["full path"] == 1 and made == [(4, 6)]
     assert kernel.calls[-1] == (y.data_ptr(), x.data_ptr())
+
+
+def test_a_replay_launches_through_the_driver_with_its_constants_packed_once(monkeypatch, toy):
+    import ctypes
+
+    from nvdnn import runtime
+    entry, kernel, counts = toy
+    kernel.ptr = 0xF00D  # a loaded function's handle
+    launched, status = [], [0]
+
+    def cu_launch(function, gx, gy, gz, bx, by, bz, shared_mem, stream, table, extra):
+        slots = [ctypes.c_uint64.from_address(table + 8 * i).value for i in range(4)]  # y, x, scratch, scale
+        values = [ctypes.c_uint64.from_address(address).value for address in slots]
+        launched.append(((int(function), gx, gy, gz, bx, by, bz, shared_mem, int(stream), extra), values))
+        return (status[0],)
+
+    from cuda.bindings import driver
+    monkeypatch.setattr(driver, "cuLaunchKernel", cu_launch)
+    callsite._CUPY.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0x5EED)
+    x = FakeArray((8, 16))
+    entry(x, scale=0.5)
+    assert len(kernel.calls) == 1 and not launched  # the recorded call launches the full path's way
+    y = entry(x, scale=0.5)
+    assert counts["full path"] == 1 and len(kernel.calls) == 1
+    head, (out, inp, scratch, scale) = launched[-1]
+    assert head == (0xF00D, 4, 1, 1, 128, 1, 1, 0, 0x5EED, 0)
+    assert out == y.data.ptr and inp == x.data.ptr and scratch % (1 << 24) == 64
+    assert np.uint32(scale).view(np.float32) == np.float32(0.5)
+    x2 = FakeArray((8, 16))
+    stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 0xABC})()
+    y2 = entry(x2, scale=0.5, stream=stream)  # recorded: a stream is part of the key
+    entry(x2, scale=0.5, stream=stream)
+    assert launched[-1][0][8] == 0xABC
+    status[0] = 700  # an error the driver reports goes to PackedLaunch.failed (raised as CuPy raises it)
+    failures = []
+    monkeypatch.setattr(runtime.PackedLaunch, "failed", lambda self, code, stream: failures.append((code, int(stream))))
+    entry(x2, scale=0.5)
+    assert failures == [(700, 0x5EED)]
+    monkeypatch.setenv("NVDNN_LAUNCH", "cupy")  # recorded from now on: CuPy's launch
+    before, driver_launches = len(kernel.calls), len(launched)
+    entry(FakeArray((3, 5)), scale=0.5)
+    entry(FakeArray((3, 5)), scale=0.5)
+    assert len(kernel.calls) == before + 2 and len(launched) == driver_launches and y2 is not None
