@@ -289,7 +289,8 @@ def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy
     the replay's allocation of a torch output must still find torch."""
     _, kernel, counts = toy
     made = []
-    fake_torch = types.SimpleNamespace(empty=lambda shape, dtype, device: made.append(shape) or _Tensor(shape, dtype))
+    fake_torch = types.SimpleNamespace(  # torch outputs come from empty_strided, contiguous or not
+        empty_strided=lambda shape, strides, dtype, device: made.append((shape, strides)) or _Tensor(shape, dtype))
     monkeypatch.setitem(call_signature.READERS, _Tensor, call_signature.torch_meta)
     monkeypatch.setattr(callsite, "_TORCH", None)
     monkeypatch.setattr(callsite, "_torch", lambda: fake_torch)
@@ -305,7 +306,7 @@ def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy
     f(_Tensor((4, 6)), stream=Stream())
     x = _Tensor((4, 6))
     y = f(x, stream=Stream())
-    assert counts["full path"] == 1 and made == [(4, 6)]
+    assert counts["full path"] == 1 and made == [((4, 6), (6, 1))]
     assert kernel.calls[-1] == (y.data_ptr(), x.data_ptr())
 
 
