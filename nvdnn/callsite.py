@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -94,8 +95,19 @@ def launch(function, grid, block, args, shared_mem: int = 0, stream=None, deferr
 
 def cupy_argument(value):
     """A NumPy scalar (or 1-element array) as CuPy's own kernel-argument object, made once: handed
-    a NumPy scalar, CuPy builds one through __array_interface__ at every launch (1-2 us)."""
-    return (_CUPY or _load_cupy()).cuda.function.CNumpyArray(np.asarray(value).reshape(1))
+    a NumPy scalar, CuPy builds one through __array_interface__ at every launch (1-2 us). It
+    keeps ``value`` too, for a replay that packs its constants (runtime.PackedLaunch)."""
+    global _ARGUMENT
+    if _ARGUMENT is None:
+        class ScalarArgument((_CUPY or _load_cupy()).cuda.function.CNumpyArray):
+            __slots__ = ("value",)
+        _ARGUMENT = ScalarArgument
+    argument = _ARGUMENT(np.asarray(value).reshape(1))
+    argument.value = value
+    return argument
+
+
+_ARGUMENT = None  # cupy_argument's type, made at its first call (CuPy is imported late)
 
 
 def has_deferred(args) -> bool:
@@ -252,8 +264,8 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
-    constants = {slot: s[1] for slot, s in enumerate(sources) if s[0] == "c"}
-    if (not deferred and type(getattr(function, "ptr", None)) is int and config.get("NVDNN_LAUNCH") == "driver"
+    constants = {slot: s[1].value if type(s[1]) is _ARGUMENT else s[1] for slot, s in enumerate(sources) if s[0] == "c"}
+    if (not deferred and type(getattr(function, "ptr", None)) is int and _launch_route() == "driver"
             and not isinstance(function, DependentFunction) and all(map(PackedLaunch.packable, constants.values()))):
         fills = tuple((slot, _KINDS[s[0]], s[1], s[2], False) for slot, s in enumerate(sources) if s[0] != "c")
         packed = PackedLaunch(function, grid, block, shared_mem, constants, len(sources))
@@ -298,8 +310,8 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
                 for slot, kind, index, offset, _ in pointer_fills:
                     buffer[slot] = places[kind][index] + offset
                 status, = packed.launch(*packed.head, handle, packed.table, 0)
-            if status != packed.success:
-                packed.failed(status, handle)
+                if status != packed.success:  # still holding this call's pointers
+                    packed.failed(status, handle)
             continue
         args = template.copy()
         for slot, kind, index in fills:
@@ -315,6 +327,21 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     if result is not None and type(result[0]) is str:  # one array: ("in" | "out", index)
         return (arrays if result[0] == "in" else made)[result[1]]
     return _result(result, arrays, made)
+
+
+def _launch_route() -> str:
+    """NVDNN_LAUNCH, read at a recording: an unknown value warns (once) and keeps CuPy's launch,
+    since the call it is read for has already done its work."""
+    try:
+        return config.get("NVDNN_LAUNCH")
+    except ValueError as exc:
+        if not _WARNED:
+            _WARNED.append(exc)
+            warnings.warn(f"{exc}; CuPy's launch is used", stacklevel=3)
+        return "cupy"
+
+
+_WARNED: list = []
 
 
 def _places(addresses, made, outputs, scratch) -> tuple:

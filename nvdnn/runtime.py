@@ -152,19 +152,20 @@ class PackedLaunch:
 
     @staticmethod
     def packable(value) -> bool:
-        """Whether a constant argument fits a slot: a 32/64-bit NumPy scalar or an address."""
-        return type(value) in _SLOT
+        """Whether a constant argument fits a slot: a 32/64-bit NumPy scalar or an address (a
+        Python int; any other int stays with CuPy's launch, which takes it as int64)."""
+        kind = type(value)
+        return kind in _SLOT and (kind is not int or 0 <= value < 1 << 64)
 
     def failed(self, status, stream) -> None:
-        """After a launch that returned ``status``: launch again once the thread has a context
-        (a thread whose first CUDA call this is has none; CuPy's launch makes sure of one),
-        else raise as CuPy does."""
+        """After a launch that returned ``status``, the lock still held (the buffer still holds
+        this call's pointers): launch again once the thread has a context (a thread whose first
+        CUDA call this is has none; CuPy's launch makes sure of one), else raise as CuPy does."""
         from cuda.bindings import driver
         if status == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
             import cupy
             cupy.cuda.runtime.free(0)  # makes the device's primary context current
-            with self.lock:
-                status, = self.launch(*self.head, stream, self.table, 0)
+            status, = self.launch(*self.head, stream, self.table, 0)
         if status != self.success:
             from cupy_backends.cuda.api.driver import CUDADriverError
             raise CUDADriverError(int(status))

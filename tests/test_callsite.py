@@ -42,6 +42,13 @@ class FakeArray:
 FakeArray.__name__ = FakeArray.__qualname__ = "ndarray"
 
 
+class _FakeCNumpyArray:
+    """CuPy's kernel-argument object of a NumPy value (callsite.cupy_argument subclasses it)."""
+
+    def __init__(self, array):
+        self.array = array
+
+
 class _FakeCupy:
     uint8 = np.uint8
     ndarray = FakeArray
@@ -49,7 +56,7 @@ class _FakeCupy:
     def __init__(self):
         self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                           alloc=lambda n: _Memory(_fresh_address(n)),
-                                          function=types.SimpleNamespace(CNumpyArray=lambda a: a[0],
+                                          function=types.SimpleNamespace(CNumpyArray=_FakeCNumpyArray,
                                                                          CIntptr=lambda v: np.uint64(v)))
 
     def empty(self, shape, dtype):
@@ -61,7 +68,14 @@ class Kernel:
         self.calls = []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        self.calls.append(tuple(a.data.ptr if isinstance(a, FakeArray) else a for a in args))
+        self.calls.append(tuple(map(_launched_value, args)))
+
+
+def _launched_value(a):
+    """What a launch passes for argument ``a``: an array's address, a wrapped value's value."""
+    if isinstance(a, FakeArray):
+        return a.data.ptr
+    return a.array.reshape(-1)[0] if isinstance(a, _FakeCNumpyArray) else a
 
 
 @pytest.fixture
@@ -69,6 +83,7 @@ def toy(monkeypatch):
     """A fast entry point y = f(x [, bias]) with a scratch buffer; counts its full path."""
     monkeypatch.setattr(callsite, "_CUPY", _FakeCupy())
     monkeypatch.setattr(callsite, "_REPLAYS", {})
+    monkeypatch.setattr(callsite, "_ARGUMENT", None)  # cupy_argument's type, over the fake CuPy
     monkeypatch.setitem(call_signature.READERS, FakeArray, call_signature.cupy_meta)
     kernel, counts = Kernel(), {"full path": 0}
 
@@ -351,3 +366,42 @@ def test_a_replay_launches_through_the_driver_with_its_constants_packed_once(mon
     entry(FakeArray((3, 5)), scale=0.5)
     entry(FakeArray((3, 5)), scale=0.5)
     assert len(kernel.calls) == before + 2 and len(launched) == driver_launches and y2 is not None
+
+
+def test_wrapped_constants_are_packed_and_a_bad_launch_setting_keeps_cupys_launch(monkeypatch, toy):
+    import ctypes
+
+    from cuda.bindings import driver
+
+    from nvdnn import runtime
+    _, kernel, counts = toy
+    kernel.ptr = 0xBEEF
+    launched = []
+
+    def cu_launch(function, gx, gy, gz, bx, by, bz, shared_mem, stream, table, extra):
+        slots = [ctypes.c_uint64.from_address(table + 8 * i).value for i in range(3)]
+        launched.append([ctypes.c_uint64.from_address(address).value for address in slots])
+        return (0,)
+
+    monkeypatch.setattr(driver, "cuLaunchKernel", cu_launch)
+    callsite._CUPY.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
+
+    @callsite.fast
+    def wrapped(x):  # as Graph.execute hands CuPy launches their scalars: wrapped once
+        counts["full path"] += 1
+        y = FakeArray(x.shape, x.dtype)
+        callsite.launch(kernel, (1,), (32,), (y, x, callsite.cupy_argument(np.int32(-5))))
+        return y
+
+    x = FakeArray((2, 3))
+    wrapped(x)
+    y = wrapped(x)
+    assert counts["full path"] == 1 and launched[-1] == [y.data.ptr, x.data.ptr, np.uint32(2 ** 32 - 5)]
+    assert not runtime.PackedLaunch.packable(-1) and runtime.PackedLaunch.packable(2 ** 64 - 1)
+    monkeypatch.setenv("NVDNN_LAUNCH", "drivr")
+    monkeypatch.setattr(callsite, "_WARNED", [])
+    x2 = FakeArray((5, 3))
+    with pytest.warns(UserWarning, match="NVDNN_LAUNCH"):
+        first = wrapped(x2)  # the recording still returns its result
+    wrapped(x2)
+    assert first.shape == (5, 3) and len(launched) == 1 and kernel.calls[-1][2] == -5
