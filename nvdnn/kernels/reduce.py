@@ -227,8 +227,9 @@ class ColReduceSpec(KernelSpec):
         ints = ["n_out", "n_rows", "n_inner", "so", "rs", "rchunk", "ncb"] + (
             ["group_size", "channels"] if self.per_group else [])
         # dydx reads two tensors and finishes batch norm's backward: ptxas's own register budget
-        # (48 a thread) spilled it. 768 threads an SM (85 registers) keep ample loads in flight.
-        min_blocks = 768 // self.block if self.kind == "dydx" else 0
+        # (48 a thread) spilled it. 768 threads an SM (85 registers) keep ample loads in flight;
+        # unrolled 8 deep, 512 (128 registers).
+        min_blocks = (768 if self.unroll <= 4 else 512) // self.block if self.kind == "dydx" else 0
         return dict(_context(self, "acc[0][j]", ints), bx=self.bx, min_blocks=min_blocks)
 
 
