@@ -468,7 +468,8 @@ def candidates(spec) -> list:
     from .batchnorm import candidates as affine_candidates
     if isinstance(spec, RowReduceSpec):
         return [dataclasses.replace(spec, group=g if g == 32 else b, block=b, unroll=u) for g, b, u in ROW_TILES
-                if g != 32 or spec.stage != "split"]  # a split takes a block per output
+                if g != 32 or spec.stage != "split" or spec.per_group]  # a split takes a block per output
+        #                                                   (a group norm's finish may run a warp, unsplit)
     if isinstance(spec, ColReduceSpec):
         return [dataclasses.replace(spec, bx=min(x, spec.bx), block=b, unroll=u) for x, b, u in COL_TILES]
     if isinstance(spec, AffineSpec):  # the affine pass's own table (kernels/batchnorm.py)
