@@ -144,6 +144,35 @@ def call_us(fn, sets: int = 1, calls: int = 1000, trials: int = 5, warmup: int =
     return statistics.median(samples)
 
 
+def interleaved_us(fns: dict, trials: int = 7, warmup: int = 3) -> dict:
+    """call_us of several callables (``fns``: name -> fn(i)) with their trials interleaved (one
+    trial of each in turn), so a host whose speed drifts during the run (other tenants, clocks)
+    slows them alike: name -> median µs a call. A callable that raises is left out; its error
+    is under name + '!'."""
+    import cupy
+    sync = cupy.cuda.Device().synchronize
+    calls, samples, out = {}, {}, {}
+    for name, fn in fns.items():
+        try:
+            for i in range(warmup):
+                fn(i)
+            calls[name] = calls_for(fn, 1)
+            samples[name] = []
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+            out[name + "!"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+    sync()
+    for _ in range(trials):
+        for name in samples:
+            fn, n = fns[name], calls[name]
+            started = time.perf_counter_ns()
+            for i in range(n):
+                fn(i)
+            sync()
+            samples[name].append((time.perf_counter_ns() - started) / n / 1e3)
+    out.update({name: statistics.median(v) for name, v in samples.items()})
+    return out
+
+
 def calls_for(fn, sets: int, budget_ms: float = 20.0, most: int = 2000) -> int:
     """Calls a trial makes so that it lasts about ``budget_ms`` (from a short first measurement)."""
     rough = call_us(fn, sets, calls=10, trials=1, warmup=2)
