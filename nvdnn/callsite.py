@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -260,12 +259,13 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     addresses as CuPy's own argument objects, made once; the pointer a tensor map is built over
     stays an address. Where every constant fits a slot and nothing resolves at launch, the
     replay launches through the driver with the constants packed once (runtime.PackedLaunch;
-    NVDNN_LAUNCH=cupy keeps CuPy's launch)."""
+    NVDNN_LAUNCH=cupy keeps CuPy's launch; read here, after the call's work, an unknown value
+    only warns)."""
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
     constants = {slot: s[1].value if type(s[1]) is _ARGUMENT else s[1] for slot, s in enumerate(sources) if s[0] == "c"}
-    if (not deferred and type(getattr(function, "ptr", None)) is int and _launch_route() == "driver"
+    if (not deferred and type(getattr(function, "ptr", None)) is int and config.get_or_default("NVDNN_LAUNCH") == "driver"
             and not isinstance(function, DependentFunction) and all(map(PackedLaunch.packable, constants.values()))):
         fills = tuple((slot, _KINDS[s[0]], s[1], s[2], False) for slot, s in enumerate(sources) if s[0] != "c")
         packed = PackedLaunch(function, grid, block, shared_mem, constants, len(sources))
@@ -327,21 +327,6 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     if result is not None and type(result[0]) is str:  # one array: ("in" | "out", index)
         return (arrays if result[0] == "in" else made)[result[1]]
     return _result(result, arrays, made)
-
-
-def _launch_route() -> str:
-    """NVDNN_LAUNCH, read at a recording: an unknown value warns (once) and keeps CuPy's launch,
-    since the call it is read for has already done its work."""
-    try:
-        return config.get("NVDNN_LAUNCH")
-    except ValueError as exc:
-        if not _WARNED:
-            _WARNED.append(exc)
-            warnings.warn(f"{exc}; CuPy's launch is used", stacklevel=3)
-        return "cupy"
-
-
-_WARNED: list = []
 
 
 def _places(addresses, made, outputs, scratch) -> tuple:

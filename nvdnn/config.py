@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -67,6 +68,21 @@ def get(name: str):
     """The parsed value of one setting, read from the environment now."""
     setting = SETTINGS[name]
     return setting.parse(os.environ.get(name, setting.default))
+
+
+_WARNED: set = set()
+
+
+def get_or_default(name: str):
+    """As ``get``, but an unparsable value warns (once a setting) and gives the default: for a
+    setting read where raising would come too late (after a call's device work)."""
+    try:
+        return get(name)
+    except ValueError as exc:
+        if name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(f"{exc}; using the default, {SETTINGS[name].default}", stacklevel=3)
+        return SETTINGS[name].parse(SETTINGS[name].default)
 
 
 def configure_logging() -> None:

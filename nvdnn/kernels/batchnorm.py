@@ -437,3 +437,18 @@ def plan_instance_norm(x: Operand, gamma: Operand | None = None, beta: Operand |
     if len(x.shape) < 2:
         layout_of(x)
     return plan_group_norm(x, x.shape[1], gamma, beta, **kwargs)
+
+
+def preset_plans(dtype: str) -> list[Plan]:
+    """What `nvdnn warm --preset reduce` compiles of the channel norms for ``dtype``: a ResNet
+    mid layer, both layouts, with and without a ReLU epilogue, forward and backward."""
+    plans, shape = [], (32, 256, 28, 28)
+    c = Operand("float32", (256,), (1,), 16)
+    for strides in (tuple(_dense(shape)), (28 * 28 * 256, 1, 28 * 256, 256)):  # NCHW, NHWC
+        x = Operand(dtype, shape, strides, 16)
+        for chain, params in (((), ()), ((("relu", ""),), (0.0, math.inf))):
+            plans += [plan_batch_norm_inference(x, c, c, c, c, epilogue=chain, params=params),
+                      plan_batch_norm_training(x, c, c, c, c, epilogue=chain, params=params),
+                      plan_group_norm(x, 32, c, c, epilogue=chain, params=params)]
+        plans += [plan_batch_norm_backward(x, x, c, c, c), plan_instance_norm(x)]
+    return plans

@@ -479,19 +479,18 @@ def candidates(spec) -> list:
 
 # -- presets: what `nvdnn warm --preset reduce` compiles ------------------------------------------
 
-def _dense_operand(dtype: str, shape, strides=None) -> Operand:
-    if strides is None:
-        strides, acc = [], 1
-        for size in reversed(shape):
-            strides.insert(0, acc)
-            acc *= size
+def _dense_operand(dtype: str, shape) -> Operand:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.insert(0, acc)
+        acc *= size
     return Operand(dtype, tuple(shape), tuple(strides), 16)
 
 
 def preset() -> list:
     """The kernels the functional API runs on aligned tensors at common sizes: every op and type
     on short rows (a warp each), long rows and whole tensors (split), leading axes (columns);
-    batch/group/instance norm in both layouts with and without a ReLU epilogue."""
+    the channel norms' (batchnorm.preset_plans)."""
     from . import batchnorm as bn
     specs: dict = {}
 
@@ -507,15 +506,6 @@ def preset() -> list:
                 add(plan_reduce(op, _dense_operand(dt, (4096, 1024)), (0,), out_dtype=out))
         for op in ("sum", "amax"):
             add(plan_reduce(op, _dense_operand(dt, (64, 1 << 16)), (1,)))
-        for layout in ("NCHW", "NHWC"):
-            shape = (32, 256, 28, 28)
-            strides = None if layout == "NCHW" else (28 * 28 * 256, 1, 28 * 256, 256)
-            x = _dense_operand(dt, shape, strides)
-            c = _dense_operand("float32", (256,))
-            for chain, params in (((), ()), ((("relu", ""),), (0.0, math.inf))):
-                add(bn.plan_batch_norm_inference(x, c, c, c, c, epilogue=chain, params=params))
-                add(bn.plan_batch_norm_training(x, c, c, c, c, epilogue=chain, params=params))
-                add(bn.plan_group_norm(x, 32, c, c, epilogue=chain, params=params))
-            add(bn.plan_batch_norm_backward(x, x, c, c, c))
-            add(bn.plan_instance_norm(x))
+        for plan in bn.preset_plans(dt):
+            add(plan)
     return list(specs)
