@@ -303,12 +303,17 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     for launch in launches:
         function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _, packed = launch
         if packed is not None:
-            places = places or _places(addresses, made, outputs, scratch)
             handle = cu_stream(stream.ptr if stream is not None else _CUPY.cuda.get_current_stream().ptr)
             buffer = packed.buffer
             with packed.lock:
-                for slot, kind, index, offset, _ in pointer_fills:
-                    buffer[slot] = places[kind][index] + offset
+                for slot, kind, index, offset, _ in pointer_fills:  # as _places, without its lists
+                    if kind == 0:
+                        address = addresses[index]
+                    elif kind == 1:
+                        address = made[index].data.ptr if outputs[index].torch is None else made[index].data_ptr()
+                    else:
+                        address = scratch[index].ptr
+                    buffer[slot] = address + offset
                 status, = packed.launch(*packed.head, handle, packed.table, 0)
                 if status != packed.success:  # still holding this call's pointers
                     packed.failed(status, handle)
