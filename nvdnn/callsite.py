@@ -299,21 +299,14 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     made = [_allocate(o) for o in outputs] if outputs else ()
     scratch = [_CUPY.cuda.alloc(size) for size in scratch_sizes] if scratch_sizes else ()  # MemoryPointers
     objects = (arrays, made, scratch)
-    places = None
     for launch in launches:
         function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _, packed = launch
         if packed is not None:
             handle = cu_stream(stream.ptr if stream is not None else _CUPY.cuda.get_current_stream().ptr)
             buffer = packed.buffer
             with packed.lock:
-                for slot, kind, index, offset, _ in pointer_fills:  # as _places, without its lists
-                    if kind == 0:
-                        address = addresses[index]
-                    elif kind == 1:
-                        address = made[index].data.ptr if outputs[index].torch is None else made[index].data_ptr()
-                    else:
-                        address = scratch[index].ptr
-                    buffer[slot] = address + offset
+                for slot, kind, index, offset, _ in pointer_fills:
+                    buffer[slot] = _address(kind, index, addresses, made, outputs, scratch) + offset
                 status, = packed.launch(*packed.head, handle, packed.table, 0)
                 if status != packed.success:  # still holding this call's pointers
                     packed.failed(status, handle)
@@ -321,11 +314,9 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
         args = template.copy()
         for slot, kind, index in fills:
             args[slot] = objects[kind][index]
-        if pointer_fills:
-            places = places or _places(addresses, made, outputs, scratch)
-            for slot, kind, index, offset, cupy_pointer in pointer_fills:
-                address = places[kind][index] + offset
-                args[slot] = _CUPY.cuda.function.CIntptr(address) if cupy_pointer else address
+        for slot, kind, index, offset, cupy_pointer in pointer_fills:
+            address = _address(kind, index, addresses, made, outputs, scratch) + offset
+            args[slot] = _CUPY.cuda.function.CIntptr(address) if cupy_pointer else address
         for slot, arg in deferred:
             args[slot] = _resolved(launch, slot, arg, args[arg.pointer])
         function(grid, block, args, shared_mem=shared_mem, stream=stream)
@@ -334,10 +325,13 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     return _result(result, arrays, made)
 
 
-def _places(addresses, made, outputs, scratch) -> tuple:
-    """The addresses of a replay's inputs, outputs and scratch buffers (indexed as _KINDS)."""
-    return (addresses, [x.data.ptr if o.torch is None else x.data_ptr() for x, o in zip(made, outputs)],
-            [m.ptr for m in scratch])
+def _address(kind: int, index: int, addresses, made, outputs, scratch) -> int:
+    """Where a replay's input, output or scratch buffer ``index`` lies (``kind`` as _KINDS)."""
+    if kind == 0:
+        return addresses[index]
+    if kind == 1:
+        return made[index].data.ptr if outputs[index].torch is None else made[index].data_ptr()
+    return scratch[index].ptr
 
 
 def _resolved(launch: _Launch, slot: int, arg, pointer):
