@@ -115,14 +115,9 @@ class DependentFunction:
         return config
 
     def _buffer(self, kinds):
-        import ctypes
-        n = len(kinds)
-        buffer = (ctypes.c_uint64 * (2 * n))()  # n value slots, then n pointers to them
-        base = ctypes.addressof(buffer)
-        for i in range(n):
-            buffer[n + i] = base + 8 * i
+        buffer, table = param_buffer(len(kinds))
         arrays = any(reader(k) is cupy_meta for k in kinds)
-        found = self._params[kinds] = (param_format(kinds), buffer, base + 8 * n, arrays)
+        found = self._params[kinds] = (param_format(kinds), buffer, table, arrays)
         return found
 
 
@@ -137,14 +132,9 @@ class PackedLaunch:
 
     def __init__(self, function, grid, block, shared_mem: int, constants: dict, n_args: int):
         from cuda.bindings import driver
-        buffer = (ctypes.c_uint64 * (2 * n_args))()
-        base = ctypes.addressof(buffer)
-        for i in range(n_args):
-            buffer[n_args + i] = base + 8 * i
+        self.buffer, self.table = param_buffer(n_args)
         for slot, value in constants.items():
-            struct.pack_into("<" + _SLOT[type(value)], buffer, 8 * slot, value)
-        self.buffer = buffer
-        self.table = base + 8 * n_args
+            struct.pack_into("<" + _SLOT[type(value)], self.buffer, 8 * slot, value)
         self.head = (driver.CUfunction(function.ptr), *(*grid, 1, 1)[:3], *(*block, 1, 1)[:3], shared_mem)
         self.lock = threading.Lock()
         self.launch = driver.cuLaunchKernel
@@ -183,6 +173,16 @@ def cu_stream(handle: int):
             _CU_STREAMS.clear()
         found = _CU_STREAMS[handle] = driver.CUstream(handle)
     return found
+
+
+def param_buffer(n: int) -> tuple:
+    """Kernel arguments as cuLaunchKernel(Ex) reads them: a buffer of n 8-byte value slots, then
+    n pointers to them; (the buffer, the address of that pointer table)."""
+    buffer = (ctypes.c_uint64 * (2 * n))()
+    base = ctypes.addressof(buffer)
+    for i in range(n):
+        buffer[n + i] = base + 8 * i
+    return buffer, base + 8 * n
 
 
 def param_kinds(args) -> tuple:
