@@ -27,7 +27,7 @@ from ..errors import DTypeError, UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
 from .pointwise import Operand, chain_params, chain_steps, check_epilogue
-from .reduce import DTYPES, NormFinish, check_operand, split_reduce
+from .reduce import DTYPES, NormFinish, check_operand, dense_strides, split_reduce
 
 AFFINE_BLOCKS = (64, 128, 256, 512, 1024)
 SMS = 132                # an H200's multiprocessors: a grid-strided affine pass launches min_blocks per SM
@@ -177,14 +177,6 @@ class Layout(NamedTuple):
     hw: int      # spatial size (1 for (N, C) inputs)
 
 
-def _dense(shape) -> list[int]:
-    out, acc = [], 1
-    for size in reversed(shape):
-        out.insert(0, acc)
-        acc *= size
-    return out
-
-
 def layout_of(x: Operand, name: str = "x") -> Layout:
     """NCHW or NHWC from x's strides (dims in N, C, spatial order); anything else is refused."""
     check_operand(x, name)
@@ -193,8 +185,8 @@ def layout_of(x: Operand, name: str = "x") -> Layout:
                                "(N, C), (N, C, L) or (N, C, H, W)", arg=name)
     n, c, spatial = x.shape[0], x.shape[1], tuple(x.shape[2:])
     hw = math.prod(spatial)
-    nchw = _dense(x.shape)
-    memory = _dense((n, *spatial, c))   # strides of (N, spatial..., C)
+    nchw = dense_strides(x.shape)
+    memory = dense_strides((n, *spatial, c))   # strides of (N, spatial..., C)
     nhwc = [memory[0], 1] + memory[1:-1]
 
     def fits(strides):
@@ -442,9 +434,12 @@ def plan_instance_norm(x: Operand, gamma: Operand | None = None, beta: Operand |
 def preset_plans(dtype: str) -> list[Plan]:
     """What `nvdnn warm --preset reduce` compiles of the channel norms for ``dtype``: a ResNet
     mid layer, both layouts, with and without a ReLU epilogue, forward and backward."""
-    plans, shape = [], (32, 256, 28, 28)
-    c = Operand("float32", (256,), (1,), 16)
-    for strides in (tuple(_dense(shape)), (28 * 28 * 256, 1, 28 * 256, 256)):  # NCHW, NHWC
+    shape = (32, 256, 28, 28)
+    n, channels, h, w = shape
+    plans = []
+    c = Operand("float32", (channels,), (1,), 16)
+    memory = dense_strides((n, h, w, channels))
+    for strides in (tuple(dense_strides(shape)), (memory[0], 1, memory[1], memory[2])):  # NCHW, NHWC
         x = Operand(dtype, shape, strides, 16)
         for chain, params in (((), ()), ((("relu", ""),), (0.0, math.inf))):
             plans += [plan_batch_norm_inference(x, c, c, c, c, epilogue=chain, params=params),

@@ -38,7 +38,8 @@ OPS = {
     "norm1": ("ReduceSum", "abs", ""), "norm2": ("ReduceSum", "square", "sqrt"),
     "prod": ("ReduceProd", "", ""),
 }
-# plain: OPS[op]; moments: [S1, S2, shift] of x - shift; dydx: [sum dy, sum dy * (x - mean)].
+# plain: OPS[op]; moments: [S1, S2] of x - shift (an output's first element); dydx: [sum dy,
+# sum dy * (x - mean)].
 KINDS = {"plain": 1, "moments": 2, "dydx": 2}   # kind -> accumulators (the floats of a split record)
 # full: one block per output; split: records that the last block to arrive finishes. Moments
 # and dydx always end in a norm's finish (NormFinish), so always in the split stage.
@@ -479,12 +480,17 @@ def candidates(spec) -> list:
 
 # -- presets: what `nvdnn warm --preset reduce` compiles ------------------------------------------
 
-def _dense_operand(dtype: str, shape) -> Operand:
-    strides, acc = [], 1
+def dense_strides(shape) -> list[int]:
+    """Element strides of a packed C-order tensor of ``shape``."""
+    out, acc = [], 1
     for size in reversed(shape):
-        strides.insert(0, acc)
+        out.insert(0, acc)
         acc *= size
-    return Operand(dtype, tuple(shape), tuple(strides), 16)
+    return out
+
+
+def _dense_operand(dtype: str, shape) -> Operand:
+    return Operand(dtype, tuple(shape), tuple(dense_strides(shape)), 16)
 
 
 def preset() -> list:
