@@ -1,6 +1,6 @@
 """Host cost per call of every functional entry point, nvdnn vs PyTorch in one process on the same inputs.
 
-    python benchmarks/bench_calls.py [--only SUBSTR] [--quick] [--json FILE] [--launch-ab]
+    python benchmarks/bench_calls.py [--only SUBSTR] [--quick] [--json FILE]
     python benchmarks/bench_calls.py --list                    # no GPU: the rows, and entry points without one
     python benchmarks/bench_calls.py --profile 'relu small' [--variant cupy|out|torch]   # cProfile, top 25
 
@@ -14,8 +14,7 @@ one), and the device time per call that torch.profiler records for nvdnn's and P
 Small rows pass when nvdnn's CuPy call takes no longer than PyTorch's and than the target
 (pointwise 9 us, norms / softmax / pooling / reductions 12 us, matmul and conv 14 us), with ``out=`` no
 longer than PyTorch's ``out=``, and with PyTorch tensors within 2 us of CuPy's. Mid rows are
-reported, not judged. GPU time: ~2 min (--quick, small rows only: ~1 min; --launch-ab adds half) after
-compiles. --launch-ab also times nvdnn's CuPy-input call with each replay launch route (NVDNN_LAUNCH).
+reported, not judged. GPU time: ~2 min (--quick, small rows only: ~1 min) after compiles.
 """
 from __future__ import annotations
 
@@ -279,10 +278,9 @@ def target_us(case: Case) -> float:
     return TARGET_US[entry_points()[entry(case)]]
 
 
-def measure(torch, case: Case, launch_ab: bool = False) -> dict:
+def measure(torch, case: Case) -> dict:
     """Call µs of each variant (their trials interleaved), kernel µs of nvdnn's and PyTorch's
-    call, and the verdict. ``launch_ab``: also nvdnn's call with each replay launch route
-    (NVDNN_LAUNCH), as "driver" and "cupy_launch", each keeping its own replays."""
+    call, and the verdict."""
     out = {"row": case.name, "target_us": target_us(case)}
     try:
         (ts,), (xs,) = input_sets(torch, case, 1)
@@ -296,8 +294,6 @@ def measure(torch, case: Case, launch_ab: bool = False) -> dict:
     except Exception as exc:  # noqa: BLE001 - one row failing must not hide the others
         out["error"] = f"setup: {type(exc).__name__}: {exc}".splitlines()[0][:160]
         return out
-    if launch_ab:
-        variants.update(driver=_with_route(variants["cupy"], "driver"), cupy_launch=_with_route(variants["cupy"], "cupy"))
     timed = {key: _timed(fn) for key, fn in variants.items()}
     for key, value in interleaved_us(timed).items():
         if key.endswith("!"):
@@ -311,29 +307,6 @@ def measure(torch, case: Case, launch_ab: bool = False) -> dict:
             out.setdefault("errors", []).append(f"{key}: {type(exc).__name__}: {exc}".splitlines()[0][:120])
     out["failures"] = verdict(out) + out.get("errors", []) if case.name.endswith("small") else []
     return out
-
-
-def _with_route(fn, route: str):
-    """fn with its replays recorded under NVDNN_LAUNCH=route (read only at a recording: the
-    first call sets it) and kept apart from other routes'; both routes pay the same swap of the
-    replay table."""
-    from nvdnn import callsite
-    replays: dict = {}
-
-    def call():
-        kept, callsite._REPLAYS = callsite._REPLAYS, replays
-        try:
-            if replays:
-                return fn()
-            before = os.environ.get("NVDNN_LAUNCH")
-            os.environ["NVDNN_LAUNCH"] = route
-            try:
-                return fn()
-            finally:
-                os.environ.pop("NVDNN_LAUNCH") if before is None else os.environ.update(NVDNN_LAUNCH=before)
-        finally:
-            callsite._REPLAYS = kept
-    return call
 
 
 def _timed(fn):
@@ -371,7 +344,6 @@ def cell(r: dict) -> dict:
          "target": f"{r['target_us']:.0f}" if r["row"].endswith("small") else "-"}
     if "cupy_us" in r and "torch_us" in r:
         c["ratio"] = f"{r['torch_us'] / r['cupy_us']:.2f}x"
-    c["driver / cupy launch"] = f"{us('driver_us')} / {us('cupy_launch_us')}"
     if "error" in r:
         c["result"] = "ERROR " + r["error"]
     elif r["row"].endswith("mid"):
@@ -383,7 +355,6 @@ def cell(r: dict) -> dict:
 
 COLUMNS = ["row", "nv cupy", "nv +out", "nv torch in", "torch", "torch +out", "ratio", "nv kernel", "torch kernel",
            "target", "result"]
-AB_COLUMN = "driver / cupy launch"   # --launch-ab
 
 
 def profile(torch, case: Case, variant: str, calls: int = 2000) -> None:
@@ -415,8 +386,6 @@ def main():
     parser.add_argument("--profile", metavar="ROW", help="cProfile 2,000 calls of this row (e.g. 'relu small')")
     parser.add_argument("--variant", choices=("cupy", "out", "torch"), default="cupy", help="inputs for --profile")
     parser.add_argument("--json", help="write every number to this file")
-    parser.add_argument("--launch-ab", action="store_true",
-                        help="also time nvdnn's call with each replay launch route (NVDNN_LAUNCH=driver | cupy)")
     args = parser.parse_args()
     cases, missing = rows(("small",) if args.quick else SIZES)
     cases = [c for c in cases if args.only in c.name]
@@ -434,18 +403,12 @@ def main():
         profile(torch, chosen[0], args.variant)
         return
     results = []
-    columns = COLUMNS + ([AB_COLUMN] if args.launch_ab else [])
     for i, case in enumerate(cases):
-        results.append(measure(torch, case, args.launch_ab))
+        results.append(measure(torch, case))
         c = cell(results[-1])
-        print(f"[{i + 1}/{len(cases)}] " + "  ".join(f"{k} {c.get(k, '-')}" for k in columns), flush=True)
+        print(f"[{i + 1}/{len(cases)}] " + "  ".join(f"{k} {c.get(k, '-')}" for k in COLUMNS), flush=True)
         write_json(args.json, rows=results, missing=missing)
-    print(table([cell(r) for r in results], columns))
-    ratios = [r["cupy_launch_us"] / r["driver_us"] for r in results if "driver_us" in r and "cupy_launch_us" in r]
-    if ratios:
-        geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        print(f"\nlaunch A/B: CuPy's launch over the driver's, geomean {geomean:.3f}x over {len(ratios)} rows "
-              "(>1: the driver route is faster)")
+    print(table([cell(r) for r in results], COLUMNS))
     failed = [r["row"] for r in results if "error" in r or r.get("failures")]
     print(f"\n{len(results)} rows, {len(failed)} small rows failing: {', '.join(failed) or 'none'}")
     for name in missing:

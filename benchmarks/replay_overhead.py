@@ -7,8 +7,8 @@ signature, the lookup, the output allocation and the kernel launches. On a GPU h
 itself (CuPy's, about 5-8 us) hides how much of a call is nvdnn's own Python. Here CuPy arrays
 live on fake device memory and each launch is a no-op, so what is timed is the rest: the wrapper,
 the replay and CuPy's array construction. Toy entry points take one to three arrays, as the
-pointwise and norm calls do. A dependent launch (runtime.DependentFunction) and the packed
-driver route of replays (runtime.PackedLaunch) are timed with the driver call stubbed out.
+pointwise and norm calls do. A dependent launch (runtime.DependentFunction) is timed with the
+driver call stubbed out.
 Each figure is the minimum over 5 trials of the mean of N calls.
 """
 from __future__ import annotations
@@ -48,25 +48,10 @@ class NoLaunch:
         pass
 
 
-class LoadedNoLaunch(NoLaunch):
-    """The same with a function handle, so replays take the packed driver route
-    (runtime.PackedLaunch), whose cuLaunchKernel ``stub_driver`` stubs out."""
-    ptr = 0x1000
-
-
-def stub_driver(cupy) -> None:
-    """cuda.bindings' cuLaunchKernel answers success at once; CuPy's current stream is stream 0."""
-    import types
-    from cuda.bindings import driver
-    success = (driver.CUresult.CUDA_SUCCESS,)
-    driver.cuLaunchKernel = lambda *args: success
-    cupy.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
-
-
-def entry_points(cupy, kernel=None):
+def entry_points(cupy):
     """Toy public functions of one to three arrays, each one kernel as the pointwise calls are."""
     from nvdnn import callsite
-    kernel = kernel or NoLaunch()
+    kernel = NoLaunch()
 
     def output(x, out):
         return out if out is not None else cupy.ndarray(x.shape, x.dtype, cupy.cuda.alloc(x.nbytes))
@@ -118,9 +103,7 @@ def measure(calls: int) -> dict:
     cupy = fake_device()
     from nvdnn import callsite
     callsite._load_cupy()
-    stub_driver(cupy)
     unary, binary, affine = entry_points(cupy)
-    packed_unary, packed_binary, _ = entry_points(cupy, LoadedNoLaunch())
 
     def array(*shape):
         return cupy.ndarray(shape, np.float32, cupy.cuda.alloc(0))
@@ -136,8 +119,6 @@ def measure(calls: int) -> dict:
         "affine(x, gamma, beta)": lambda: affine(rows, gamma, beta),
         "affine(x, gamma, beta, out=y)": lambda: affine(rows, gamma, beta, out=rows_out),
         "CuPy alloc + ndarray": lambda: cupy.ndarray((4096,), np.float32, cupy.cuda.alloc(16384)),
-        "packed route: unary(x)": lambda: packed_unary(x),
-        "packed route: binary(x, z, out=y)": lambda: packed_binary(x, z, out=y),
     }
     before = dict(callsite.STATS)
     results = {name: per_call(fn, calls) for name, fn in cases.items()}

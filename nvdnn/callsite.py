@@ -23,9 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import config
 from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
-from .runtime import DependentFunction, PackedLaunch, cu_stream
+from .runtime import DependentFunction
 
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
 SEEN_LIMIT = 64    # address tuples whose overlap pattern a signature remembers
@@ -94,19 +93,8 @@ def launch(function, grid, block, args, shared_mem: int = 0, stream=None, deferr
 
 def cupy_argument(value):
     """A NumPy scalar (or 1-element array) as CuPy's own kernel-argument object, made once: handed
-    a NumPy scalar, CuPy builds one through __array_interface__ at every launch (1-2 us). It
-    keeps ``value`` too, for a replay that packs its constants (runtime.PackedLaunch)."""
-    global _ARGUMENT
-    if _ARGUMENT is None:
-        class ScalarArgument((_CUPY or _load_cupy()).cuda.function.CNumpyArray):
-            __slots__ = ("value",)
-        _ARGUMENT = ScalarArgument
-    argument = _ARGUMENT(np.asarray(value).reshape(1))
-    argument.value = value
-    return argument
-
-
-_ARGUMENT = None  # cupy_argument's type, made at its first call (CuPy is imported late)
+    a NumPy scalar, CuPy builds one through __array_interface__ at every launch (1-2 us)."""
+    return (_CUPY or _load_cupy()).cuda.function.CNumpyArray(np.asarray(value).reshape(1))
 
 
 def has_deferred(args) -> bool:
@@ -243,7 +231,6 @@ class _Launch(NamedTuple):
     addresses: tuple  # (slot, kind, index, byte offset, as a CuPy pointer): an address, or one inside an array
     deferred: tuple   # (slot, argument) per argument resolved at launch (a TMA tensor map)
     resolved: dict    # (slot, address) -> that argument's value, as the launch passes it
-    packed: object    # a runtime.PackedLaunch (every pointer then an address fill), or None: CuPy launches
 
 
 DEPENDENT_MIN_BYTES = 64 << 20  # a replay moving less launches dependent kernels the ordinary way
@@ -257,19 +244,10 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     arguments are packed as they come it costs the same (RESULTS, session 16), and a lower
     threshold is yet to be measured on whole sweeps. A CuPy launch gets its constants and
     addresses as CuPy's own argument objects, made once; the pointer a tensor map is built over
-    stays an address. Where every constant fits a slot and nothing resolves at launch, the
-    replay launches through the driver with the constants packed once (runtime.PackedLaunch;
-    NVDNN_LAUNCH=cupy keeps CuPy's launch; read here, after the call's work, an unknown value
-    only warns)."""
+    stays an address."""
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
-    constants = {slot: s[1].value if type(s[1]) is _ARGUMENT else s[1] for slot, s in enumerate(sources) if s[0] == "c"}
-    if (not deferred and type(getattr(function, "ptr", None)) is int and config.get_or_default("NVDNN_LAUNCH") == "driver"
-            and not isinstance(function, DependentFunction) and all(map(PackedLaunch.packable, constants.values()))):
-        fills = tuple((slot, _KINDS[s[0]], s[1], s[2], False) for slot, s in enumerate(sources) if s[0] != "c")
-        packed = PackedLaunch(function, grid, block, shared_mem, constants, len(sources))
-        return _Launch(function, grid, block, shared_mem, [], (), fills, (), {}, packed)
     cupy_launch = not isinstance(function, DependentFunction)
     mapped = {arg.pointer for _, arg in deferred}
     template, objects, addresses = [], [], []
@@ -288,7 +266,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
             objects.append((slot, kind, index))
         else:
             addresses.append((slot, kind, index, offset, cupy_launch and slot not in mapped))
-    return _Launch(function, grid, block, shared_mem, template, tuple(objects), tuple(addresses), deferred, {}, None)
+    return _Launch(function, grid, block, shared_mem, template, tuple(objects), tuple(addresses), deferred, {})
 
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
@@ -300,17 +278,7 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     scratch = [_CUPY.cuda.alloc(size) for size in scratch_sizes] if scratch_sizes else ()  # MemoryPointers
     objects = (arrays, made, scratch)
     for launch in launches:
-        function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _, packed = launch
-        if packed is not None:
-            handle = cu_stream(stream.ptr if stream is not None else _CUPY.cuda.get_current_stream().ptr)
-            buffer = packed.buffer
-            with packed.lock:
-                for slot, kind, index, offset, _ in pointer_fills:
-                    buffer[slot] = _address(kind, index, addresses, made, outputs, scratch) + offset
-                status, = packed.launch(*packed.head, handle, packed.table, 0)
-                if status != packed.success:  # still holding this call's pointers
-                    packed.failed(status, handle)
-            continue
+        function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _ = launch
         args = template.copy()
         for slot, kind, index in fills:
             args[slot] = objects[kind][index]

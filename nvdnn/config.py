@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,13 +22,6 @@ def _log_level(text: str) -> str:
     if level not in _LOG_LEVELS:
         raise ValueError(f"NVDNN_LOG_LEVEL={text!r}: use one of {', '.join(_LOG_LEVELS)}")
     return level
-
-
-def _launch_route(text: str) -> str:
-    route = text.strip().lower() or "driver"
-    if route not in ("driver", "cupy"):
-        raise ValueError(f"NVDNN_LAUNCH={text!r}: use driver or cupy")
-    return route
 
 
 @dataclass(frozen=True)
@@ -55,9 +47,6 @@ SETTINGS = {s.name: s for s in (
     Setting("NVDNN_PLAN_KEY_FILE", _text, "",
             "file holding a plan-blob signing key (32+ random bytes): Graph.serialize signs with it, and "
             "Graph.deserialize refuses any blob not signed with it"),
-    Setting("NVDNN_LAUNCH", _launch_route, "driver",
-            "how a repeat functional call launches its kernels: driver (cuLaunchKernel, arguments packed "
-            "once) | cupy (CuPy's launch, which converts every argument each call)"),
     Setting("NVDNN_CUDA_INCLUDE", _text, "",
             "folder holding cuda_fp16.h and friends (default: the nvidia-cuda-runtime package, "
             "then $CUDA_PATH/include)"),
@@ -68,21 +57,6 @@ def get(name: str):
     """The parsed value of one setting, read from the environment now."""
     setting = SETTINGS[name]
     return setting.parse(os.environ.get(name, setting.default))
-
-
-_WARNED: set = set()
-
-
-def get_or_default(name: str):
-    """As ``get``, but an unparsable value warns (once a setting) and gives the default: for a
-    setting read where raising would come too late (after a call's device work)."""
-    try:
-        return get(name)
-    except ValueError as exc:
-        if name not in _WARNED:
-            _WARNED.add(name)
-            warnings.warn(f"{exc}; using the default, {SETTINGS[name].default}", stacklevel=3)
-        return SETTINGS[name].parse(SETTINGS[name].default)
 
 
 def configure_logging() -> None:

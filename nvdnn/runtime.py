@@ -121,62 +121,8 @@ class DependentFunction:
         return found
 
 
-class PackedLaunch:
-    """One kernel launch of a call-site replay, through the driver (cuLaunchKernel of
-    cuda.bindings): its argument buffer (an 8-byte slot per argument, then the table of their
-    addresses that the driver reads) holds the constants from the start, and a call writes only
-    its pointer slots (``buffer[slot] = address``) before ``launch(*head, cu_stream(handle),
-    table, 0)``. CuPy's launch converts every argument on every call: on an H200 host it took
-    7.5 us where this takes 5.0 (RESULTS, session 17). The driver copies the arguments during
-    the call; the lock keeps one call's fill and launch together."""
-
-    def __init__(self, function, grid, block, shared_mem: int, constants: dict, n_args: int):
-        from cuda.bindings import driver
-        self.buffer, self.table = param_buffer(n_args)
-        for slot, value in constants.items():
-            struct.pack_into("<" + _SLOT[type(value)], self.buffer, 8 * slot, value)
-        self.head = (driver.CUfunction(function.ptr), *(*grid, 1, 1)[:3], *(*block, 1, 1)[:3], shared_mem)
-        self.lock = threading.Lock()
-        self.launch = driver.cuLaunchKernel
-        self.success = driver.CUresult.CUDA_SUCCESS
-
-    @staticmethod
-    def packable(value) -> bool:
-        """Whether a constant argument fits a slot: a 32/64-bit NumPy scalar or an address (a
-        Python int; any other int stays with CuPy's launch, which takes it as int64)."""
-        kind = type(value)
-        return kind in _SLOT and (kind is not int or 0 <= value < 1 << 64)
-
-    def failed(self, status, stream) -> None:
-        """After a launch that returned ``status``, the lock still held (the buffer still holds
-        this call's pointers): launch again once the thread has a context (a thread whose first
-        CUDA call this is has none; CuPy's launch makes sure of one), else raise as CuPy does."""
-        from cuda.bindings import driver
-        if status == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-            import cupy
-            cupy.cuda.runtime.free(0)  # makes the device's primary context current
-            status, = self.launch(*self.head, stream, self.table, 0)
-        if status != self.success:
-            from cupy_backends.cuda.api.driver import CUDADriverError
-            raise CUDADriverError(int(status))
-
-
-_CU_STREAMS: dict = {}  # stream handle -> its cuda.bindings CUstream
-
-
-def cu_stream(handle: int):
-    """The driver's stream object of ``handle``, made once."""
-    found = _CU_STREAMS.get(handle)
-    if found is None:
-        from cuda.bindings import driver
-        if len(_CU_STREAMS) >= _CONFIGS_KEPT:
-            _CU_STREAMS.clear()
-        found = _CU_STREAMS[handle] = driver.CUstream(handle)
-    return found
-
-
 def param_buffer(n: int) -> tuple:
-    """Kernel arguments as cuLaunchKernel(Ex) reads them: a buffer of n 8-byte value slots, then
+    """Kernel arguments as cuLaunchKernelEx reads them: a buffer of n 8-byte value slots, then
     n pointers to them; (the buffer, the address of that pointer table)."""
     buffer = (ctypes.c_uint64 * (2 * n))()
     base = ctypes.addressof(buffer)

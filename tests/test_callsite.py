@@ -43,7 +43,7 @@ FakeArray.__name__ = FakeArray.__qualname__ = "ndarray"
 
 
 class _FakeCNumpyArray:
-    """CuPy's kernel-argument object of a NumPy value (callsite.cupy_argument subclasses it)."""
+    """CuPy's kernel-argument object of a NumPy value (callsite.cupy_argument makes one)."""
 
     def __init__(self, array):
         self.array = array
@@ -65,10 +65,11 @@ class _FakeCupy:
 
 class Kernel:
     def __init__(self):
-        self.calls = []
+        self.calls, self.streams = [], []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.calls.append(tuple(map(_launched_value, args)))
+        self.streams.append(stream)
 
 
 def _launched_value(a):
@@ -83,7 +84,6 @@ def toy(monkeypatch):
     """A fast entry point y = f(x [, bias]) with a scratch buffer; counts its full path."""
     monkeypatch.setattr(callsite, "_CUPY", _FakeCupy())
     monkeypatch.setattr(callsite, "_REPLAYS", {})
-    monkeypatch.setattr(callsite, "_ARGUMENT", None)  # cupy_argument's type, over the fake CuPy
     monkeypatch.setitem(call_signature.READERS, FakeArray, call_signature.cupy_meta)
     kernel, counts = Kernel(), {"full path": 0}
 
@@ -325,84 +325,29 @@ def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy
     assert kernel.calls[-1] == (y.data_ptr(), x.data_ptr())
 
 
-def test_a_replay_launches_through_the_driver_with_its_constants_packed_once(monkeypatch, toy):
-    import ctypes
-
-    from nvdnn import runtime
-    entry, kernel, counts = toy
-    kernel.ptr = 0xF00D  # a loaded function's handle
-    launched, status = [], [0]
-
-    def cu_launch(function, gx, gy, gz, bx, by, bz, shared_mem, stream, table, extra):
-        slots = [ctypes.c_uint64.from_address(table + 8 * i).value for i in range(4)]  # y, x, scratch, scale
-        values = [ctypes.c_uint64.from_address(address).value for address in slots]
-        launched.append(((int(function), gx, gy, gz, bx, by, bz, shared_mem, int(stream), extra), values))
-        return (status[0],)
-
-    from cuda.bindings import driver
-    monkeypatch.setattr(driver, "cuLaunchKernel", cu_launch)
-    callsite._CUPY.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0x5EED)
-    x = FakeArray((8, 16))
-    entry(x, scale=0.5)
-    assert len(kernel.calls) == 1 and not launched  # the recorded call launches the full path's way
-    y = entry(x, scale=0.5)
-    assert counts["full path"] == 1 and len(kernel.calls) == 1
-    head, (out, inp, scratch, scale) = launched[-1]
-    assert head == (0xF00D, 4, 1, 1, 128, 1, 1, 0, 0x5EED, 0)
-    assert out == y.data.ptr and inp == x.data.ptr and scratch % (1 << 24) == 64
-    assert np.uint32(scale).view(np.float32) == np.float32(0.5)
-    x2 = FakeArray((8, 16))
-    stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 0xABC})()
-    y2 = entry(x2, scale=0.5, stream=stream)  # recorded: a stream is part of the key
-    entry(x2, scale=0.5, stream=stream)
-    assert launched[-1][0][8] == 0xABC
-    status[0] = 700  # an error the driver reports goes to PackedLaunch.failed (raised as CuPy raises it)
-    failures = []
-    monkeypatch.setattr(runtime.PackedLaunch, "failed", lambda self, code, stream: failures.append((code, int(stream))))
-    entry(x2, scale=0.5)
-    assert failures == [(700, 0x5EED)]
-    monkeypatch.setenv("NVDNN_LAUNCH", "cupy")  # recorded from now on: CuPy's launch
-    before, driver_launches = len(kernel.calls), len(launched)
-    entry(FakeArray((3, 5)), scale=0.5)
-    entry(FakeArray((3, 5)), scale=0.5)
-    assert len(kernel.calls) == before + 2 and len(launched) == driver_launches and y2 is not None
-
-
-def test_wrapped_constants_are_packed_and_a_bad_launch_setting_warns(monkeypatch, toy):
-    import ctypes
-
-    from cuda.bindings import driver
-
-    from nvdnn import runtime
+def test_a_replay_launches_on_the_call_s_stream_with_its_wrapped_constants(toy):
+    """A replay hands its kernel the stream the call names (None: CuPy's current one) and the
+    scalar arguments as the recording wrapped them, once (Graph.execute wraps its own)."""
     _, kernel, counts = toy
-    kernel.ptr = 0xBEEF
-    launched = []
-
-    def cu_launch(function, gx, gy, gz, bx, by, bz, shared_mem, stream, table, extra):
-        slots = [ctypes.c_uint64.from_address(table + 8 * i).value for i in range(3)]
-        launched.append([ctypes.c_uint64.from_address(address).value for address in slots])
-        return (0,)
-
-    monkeypatch.setattr(driver, "cuLaunchKernel", cu_launch)
-    callsite._CUPY.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
 
     @callsite.fast
-    def wrapped(x):  # as Graph.execute hands CuPy launches their scalars: wrapped once
+    def wrapped(x, *, stream=None):
         counts["full path"] += 1
         y = FakeArray(x.shape, x.dtype)
-        callsite.launch(kernel, (1,), (32,), (y, x, callsite.cupy_argument(np.int32(-5))))
+        callsite.launch(kernel, (1,), (32,), (y, x, callsite.cupy_argument(np.int32(-5)), np.float32(0.5)),
+                        stream=stream)
         return y
 
     x = FakeArray((2, 3))
     wrapped(x)
     y = wrapped(x)
-    assert counts["full path"] == 1 and launched[-1] == [y.data.ptr, x.data.ptr, np.uint32(2 ** 32 - 5)]
-    assert not runtime.PackedLaunch.packable(-1) and runtime.PackedLaunch.packable(2 ** 64 - 1)
-    monkeypatch.setenv("NVDNN_LAUNCH", "drivr")
-    from nvdnn import config
-    monkeypatch.setattr(config, "_WARNED", set())
-    x2 = FakeArray((5, 3))
-    with pytest.warns(UserWarning, match="NVDNN_LAUNCH"):
-        first = wrapped(x2)  # the recording still returns its result, and the default route holds
-    wrapped(x2)
-    assert first.shape == (5, 3) and len(launched) == 2 and kernel.calls[-1][2] == -5
+    assert counts["full path"] == 1 and kernel.calls[-1] == (y.data.ptr, x.data.ptr, -5, np.float32(0.5))
+    assert kernel.streams[-1] is None
+    stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 0xABC})()
+    wrapped(x, stream=stream)  # recorded: a stream is part of the key
+    y = wrapped(x, stream=stream)
+    assert counts["full path"] == 2 and kernel.streams[-1] is stream
+    assert kernel.calls[-1][:2] == (y.data.ptr, x.data.ptr)
+    (_, replays, _), = (entry for key, entry in callsite._REPLAYS.items() if key[0] is wrapped and key[2] == ())
+    template = next(iter(replays.values())).launches[0].template
+    assert isinstance(template[2], _FakeCNumpyArray) and isinstance(template[3], _FakeCNumpyArray)
