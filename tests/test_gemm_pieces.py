@@ -67,6 +67,22 @@ extern "C" __global__ void piece(float* y) {
     assert "HGMMA" in sass and " STL" not in sass
 
 
+def test_tf32_gemm_with_a_from_registers_keeps_its_mmas_asynchronous(tmp_path):
+    """tf32's M-major A (NumPy's a @ b runs as b^T a^T on it): its fragments go from shared
+    memory to registers (LDS) and into register-sourced HGMMAs, which ptxas would serialize
+    (warning C7513) were fragments written while an MMA is in flight; nothing spills."""
+    from nvdnn.kernels.matmul import plan_matmul
+    from nvdnn.kernels.pointwise import Operand
+    f32 = Operand("float32", (1024, 1024), (1024, 1))
+    (launch,) = plan_matmul(f32, f32, precision="tf32", arch="sm_90", split_k=1).launches
+    spec = launch.spec
+    assert (spec.kernel, spec.a_major) == ("wgmma", "m")
+    result = compiler.compile_cubin(codegen.render(spec), name="gemm.cu", options=compiler.options_for("sm_90a"))
+    assert "C7513" not in result.log and result.spill_bytes == 0 and result.stack_bytes == 0
+    sass = _sass(result.cubin, tmp_path)
+    assert "HGMMA" in sass and " LDS" in sass and " STL" not in sass
+
+
 def test_tma_and_barrier_pieces_compile_alone():
     source = _render('''{% include "common/sm90_barrier.cuh" %}
 {% include "common/sm90_tma.cuh" %}

@@ -68,6 +68,16 @@ def _cases():
             out.append(dict(dtype="float32", precision=precision, m=m, n=n, k=k, a_major=am, b_major=bm, epilogue=epi))
         out.append(dict(dtype="float32", precision=precision, m=65, n=67, k=129, a_major="m", b_major="n",
                         epilogue="bias_gelu", batch="ab"))
+    # tf32 on wgmma with an M-major A read in registers: a.T @ w.T as it lies; a @ b (N-major b)
+    # as y^T = b^T a^T (bias, residual and y transposed; with a batch of a over a broadcast b); a.T
+    # @ b with fewer rows than columns the same, a^T copied; split-K finished in the launch
+    for m, n, k, (am, bm), epi, extra in ((1000, 1029, 1032, ("m", "k"), "bias_gelu", {}),
+                                          (129, 1000, 1032, ("k", "n"), "residual_silu", dict(batch="a")),
+                                          (520, 1031, 2053, ("m", "n"), "rowbias_relu", {}),
+                                          (1000, 1029, 1031, ("k", "n"), "plain", dict(out_major="m")),
+                                          (1535, 767, 3008, ("m", "k"), "bias_gelu", dict(splitk=1))):
+        out.append(dict(dtype="float32", precision="tf32", m=m, n=n, k=k, a_major=am, b_major=bm, epilogue=epi,
+                        **extra))
     # column-major y (its M stride 1): the epilogue's scalar stores through the strides
     for dt, k, epi in (("bfloat16", 1032, "bias_gelu"), ("float16", 1031, "residual_silu"), ("bfloat16", 1, "plain")):
         out.append(dict(dtype=dt, m=1000, n=1029, k=k, a_major="k", b_major="k", epilogue=epi, out_major="m"))

@@ -84,14 +84,21 @@ def test_heuristic_kernels():
     assert (_kernel(plan).kernel, _kernel(plan).b_major) == ("wgmma", "n")
     assert [m.box for m in plan.launches[0].args if isinstance(m, mm.TensorMapArg)][1] == (64, 64, 1)
     assert (_kernel(mm.plan_matmul(a, op("bfloat16", (4096, 4096)), arch="sm_80")).b_major) == "n"
-    # tf32 has no transpose mode on wgmma: an N-major B is repacked K-major into scratch first
-    # (where that beats mma.sync reading it as it is: heuristic.mma_reads_in_place)
-    plan = mm.plan_matmul(op("float32", (1024, 1024)), op("float32", (1024, 1024)), precision="tf32", arch="sm_90",
-                          split_k=1)
-    first, gemm = plan.launches
-    assert isinstance(first.spec, RepackSpec) and first.pointers == ("scratch0", "b") and first.spec.read_along == "r"
-    assert (gemm.spec.kernel, gemm.spec.b_major, gemm.pointers) == ("wgmma", "k", ("y", "a", "scratch0"))
-    assert plan.scratch == (1024 * 1024 * 4,)
+    # tf32 has no transpose mode on wgmma, but reads an M-major A from registers: a @ b with an
+    # N-major b runs as y^T = b^T a^T (y's strides swapped), both read as they lie (where that
+    # beats mma.sync reading them in place: heuristic.mma_reads_in_place)
+    f1k = op("float32", (1024, 1024))
+    plan = mm.plan_matmul(f1k, f1k, bias=op("float32", (1024,)), precision="tf32", arch="sm_90", split_k=1)
+    (gemm,) = plan.launches
+    assert (gemm.spec.kernel, gemm.spec.a_major, gemm.spec.b_major, gemm.spec.bias) == ("wgmma", "m", "k", "row")
+    assert gemm.pointers == ("y", "b", "a", "bias") and plan.scratch == ()
+    maps = [m for m in gemm.args if isinstance(m, mm.TensorMapArg)]
+    assert [(m.pointer, m.box[:2]) for m in maps] == [(1, (32, 32)), (2, (32, gemm.spec.bn))]
+    # a.T @ b (both MN-major): the smaller operand is copied K-major, the other read in registers
+    plan = mm.plan_matmul(op("float32", (512, 1024), (1, 512)), op("float32", (1024, 2048)), precision="tf32",
+                          arch="sm_90", split_k=1)
+    assert [l.pointers for l in plan.launches] == [("scratch0", "a"), ("y", "b", "scratch0")]
+    assert _kernel(plan).a_major == "m" and plan.scratch == (512 * 1024 * 4,)
     f32n = _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), precision="tf32",
                                   arch="sm_90"))
     assert (f32n.kernel, f32n.b_major) == ("mma", "n")

@@ -10,8 +10,10 @@ y is written through its strides. Three kernels, one epilogue (templates/common/
   (a tensor map per operand, built at launch: ``TensorMapArg``), a ring of full / empty
   mbarriers, one producer warpgroup and one or two consumer warpgroups, a persistent grid
   walking tiles in groups of ``group_m`` tile rows for L2 reuse. fp16 / bf16 (k16) with A and B
-  in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 and fp8 e4m3 /
-  e5m2 (k32) K-major; 16-byte aligned strides and addresses. A may also be a convolution's
+  in either major-ness (wgmma's transpose mode reads M- or N-major tiles), tf32 K-major or with
+  an M-major A loaded from its shared tile into registers (so an N-major B runs as y^T = b^T
+  a^T: ``planning._transposed_plan``), fp8 e4m3 / e5m2 (k32) K-major; 16-byte aligned strides
+  and addresses. A may also be a convolution's
   im2col matrix read in place from the NHWC image by TMA's im2col mode (``Im2colA``: implicit
   GEMM, kernels/conv.py). An operand it cannot read as it
   lies is copied K-major into scratch first (``kernels/repack.py``); exact float32 runs on it as

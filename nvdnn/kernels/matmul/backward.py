@@ -30,7 +30,7 @@ from ...errors import DTypeError, UnsupportedError, ValidationError
 from ...spec import KernelSpec, one_of
 from .. import Launch, Plan, pointwise
 from ..pointwise import Operand
-from .planning import output_shape, plan_matmul, pointwise_contiguous
+from .planning import output_shape, plan_matmul, pointwise_contiguous, transposed
 from .specs import DEFAULT_SMS, FP8, MatmulZeroSpec
 
 DTYPES = pointwise.DTYPES
@@ -93,12 +93,6 @@ class MatmulDactSpec(KernelSpec):
                 "steps": pointwise.chain_steps(self.steps, fast=False) if self.act else [],
                 "param_args": "".join(f", {p}" for p in params),
                 "kernel_params": pointers + scalars}
-
-
-def _transposed(op: Operand) -> Operand:
-    """The operand's last two dims swapped: a view, no copy."""
-    return op._replace(shape=(*op.shape[:-2], op.shape[-1], op.shape[-2]),
-                       strides=(*op.strides[:-2], op.strides[-1], op.strides[-2]))
 
 
 def _padded(op: Operand, rank: int) -> Operand:
@@ -244,7 +238,7 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
             dz = Operand(dy.dtype, shape, pointwise_contiguous(shape), 16)
     dz_role = "scratch0" if act else "dy"
     gemm = dict(precision=precision, arch=arch, sms=sms)
-    plan_a = plan_matmul(dz, _transposed(b), out_strides=da_strides, out_dtype=da_dtype, **gemm)
+    plan_a = plan_matmul(dz, transposed(b), out_strides=da_strides, out_dtype=da_dtype, **gemm)
     launches += _renamed(plan_a, {"y": "da", "a": dz_role, "b": "b"}, len(scratch))
     scratch += plan_a.scratch
     if fold:  # dB = sum over the batch of a^T dz: the batch folds into the contracted dim
@@ -259,6 +253,6 @@ def plan_matmul_backward(dy: Operand, a: Operand, b: Operand, *, z: Operand | No
                              out_dtype=db_dtype, **gemm)
     else:
         db_strides = None if db_strides is None else (0,) * (rank - len(db_strides)) + tuple(db_strides)
-        plan_b = plan_matmul(_transposed(a), dz, out_strides=db_strides, out_dtype=db_dtype, **gemm)
+        plan_b = plan_matmul(transposed(a), dz, out_strides=db_strides, out_dtype=db_dtype, **gemm)
     launches += _renamed(plan_b, {"y": "db", "a": "a", "b": dz_role}, len(scratch))
     return Plan(tuple(launches), scratch=tuple(scratch) + plan_b.scratch)

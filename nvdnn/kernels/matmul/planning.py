@@ -245,6 +245,15 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         tile = None
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
+    if (spec.kernel == "wgmma" and spec.precision == "tf32" and not spec.promote and b_major == "n"
+            and (a_major == "k" or (a_major == "m" and m < n)) and norm is None and gather is None and b_gather is None):
+        # tf32 wgmma reads K-major tiles from shared memory, and an M-major A from registers:
+        # y^T = b^T a^T reads both as they lie where y = a b would copy b K-major first (with
+        # an M-major a too: copies the smaller of the two)
+        return _transposed_plan(a, b, bias, bias_axis, residual, out_strides,
+                                dict(alpha=alpha, beta=beta, epilogue=epilogue, params=params, out_dtype=out_dtype,
+                                     out_align=out_align, precision=precision, amax=amax, arch=arch, tile=tile,
+                                     split_k=split_k, sms=sms))
     if out_rows is not None and gather is None:
         raise ValidationError("out_rows: image rows are an implicit GEMM's (give gather)", arg="out_rows")
     if gather is not None:
@@ -269,6 +278,26 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     renamed.update({r.pointers[1]: r.pointers[0] for r in repacks})
     launches = tuple(l._replace(pointers=tuple(renamed.get(p, p) for p in l.pointers)) for l in plan.launches)
     return Plan(tuple(repacks) + launches, scratch=tuple(scratch) + plan.scratch)
+
+
+def transposed(op: Operand) -> Operand:
+    """The operand's last two dims swapped (a 1-D one first made a row): a view, no copy."""
+    if len(op.shape) < 2:
+        op = op._replace(shape=(1,) * (2 - len(op.shape)) + tuple(op.shape),
+                         strides=(0,) * (2 - len(op.shape)) + tuple(op.strides))
+    return op._replace(shape=(*op.shape[:-2], op.shape[-1], op.shape[-2]),
+                       strides=(*op.strides[:-2], op.strides[-1], op.strides[-2]))
+
+
+def _transposed_plan(a, b, bias, bias_axis, residual, out_strides, options) -> Plan:
+    """The plan of y^T = b^T a^T (y's strides swapped, a bias along the other axis, the
+    residual transposed), its launches reading the user's a where they name b and back."""
+    plan = plan_matmul(transposed(b), transposed(a), bias=bias, bias_axis="row" if bias_axis == "col" else "col",
+                       residual=transposed(residual) if residual is not None else None,
+                       out_strides=(*out_strides[:-2], out_strides[-1], out_strides[-2]), **options)
+    swap = {"a": "b", "b": "a"}
+    return plan._replace(launches=tuple(l._replace(pointers=tuple(swap.get(p, p) for p in l.pointers))
+                                        for l in plan.launches))
 
 
 def _repacks(geo: Geometry, a_info, b_info, three_tf32: bool) -> tuple:
@@ -307,8 +336,10 @@ REPACK_MIN_WORK = 1 << 24   # multiply-adds from which a repack pass ahead of wg
 
 
 def _wgmma_direct(dtype, major, s_mn, s_k, align, s_batch) -> bool:
-    """Whether the wgmma kernel's tensor map reads an operand as it is (else it is repacked)."""
-    majors = ("k", "m", "n") if dtype in HALF else ("k",)
+    """Whether the wgmma kernel's tensor map reads an operand as it is (else it is repacked):
+    16-bit types in either major-ness (wgmma's transposes), float32 K-major or an M-major A
+    (its tf32 fragments loaded into registers), fp8 K-major."""
+    majors = ("k", "m", "n") if dtype in HALF else ("k", "m") if dtype == "float32" else ("k",)
     return _tma_ok(major, majors, s_mn if major == "k" else s_k, _size(dtype), align, s_batch)
 
 

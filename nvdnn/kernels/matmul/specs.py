@@ -281,7 +281,9 @@ class MatmulSpec(KernelSpec):
 
     def _validate_wgmma(self):
         width = _size(self.a_dtype)
-        one_of(self.a_major, ("k", "m") if self.a_dtype in HALF else ("k",), "a_major")  # 16-bit: wgmma transposes
+        # 16-bit: wgmma transposes; tf32: an M-major A is read from registers (not when promoting)
+        one_of(self.a_major, ("k", "m") if self.a_dtype in HALF or (self.a_dtype == "float32" and not self.promote)
+               else ("k",), "a_major")
         one_of(self.b_major, ("k", "n") if self.a_dtype in HALF else ("k",), "b_major")
         one_of(self.precision, ("tf32",) if self.a_dtype == "float32" else ("",), "precision")
         one_of(self.bm, (64, 128, 256), "bm")
@@ -414,6 +416,7 @@ class MatmulSpec(KernelSpec):
             "b_kind": "tf32" if self.precision == "tf32" else _PTX.get(self.b_dtype, "f32"),
             # transpose immediates exist for 16-bit types only: (A M-major, B N-major)
             "wgmma_trans": (int(self.a_major == "m"), int(self.b_major == "n")) if self.a_dtype in HALF else None,
+            "a_regs": self.kernel == "wgmma" and self.a_major == "m" and self.a_dtype == "float32",
             "a_fp8": self.a_dtype in FP8, "b_fp8": self.b_dtype in FP8,
             "f32_inputs": self.a_dtype == "float32", "three_tf32": self.kernel == "mma" and self.precision == "exact",
             "a_major": self.a_major, "b_major": self.b_major, "a_gather": self.a_gather, "c_rows": self.c_rows,
