@@ -164,6 +164,18 @@ def test_every_16_bit_layout_plans_to_wgmma_on_hopper(dtype):
         assert spec in preset
 
 
+def test_every_tf32_layout_plans_to_wgmma_on_hopper():
+    """tf32 reads K-major tiles and an M-major A from registers: x @ w.T and a.T @ w.T as they
+    lie, a @ b as b^T a^T (no copy), a.T @ b copying one operand; batched and broadcast too."""
+    preset = set(mm.preset())
+    for a, b in mm.layouts("float32"):
+        plan = mm.plan_matmul(a, b, precision="tf32", arch="sm_90")
+        spec = _kernel(plan)
+        assert spec.kernel == "wgmma" and spec in preset, (a, b, spec.uri)
+        a_k, b_k = a.strides[-1] == 1, b.strides[-2] == 1   # A K-major, B K-major
+        assert len(plan.launches) == (2 if not a_k and not b_k else 1), [l.spec.uri for l in plan.launches]
+
+
 def test_fp8_on_hopper_and_refused_on_ampere():
     a8, w8 = op("float8_e4m3", (8192, 8192)), weight("float8_e5m2", 8192, 8192)
     plan = mm.plan_matmul(a8, w8, bias=op("bfloat16", (8192,)), epilogue=[("relu", "")], params=(0.0, math.inf),

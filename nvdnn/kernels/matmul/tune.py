@@ -120,6 +120,8 @@ def preset() -> list:
         add(plan_matmul(f32, f32, arch=arch))
         add(plan_matmul(f32, f32, precision="tf32", arch=arch))
         add(plan_matmul(f32, op("float32", (big, big), (1, big)), precision="tf32", arch=arch))
+        for a_t, b_t in layouts("float32"):   # tf32 in every major-ness, batched (an M-major A in registers)
+            add(plan_matmul(a_t, b_t, precision="tf32", arch=arch))
         add(plan_matmul(op("float32", (16, 768)), op("float32", (768, 3072), (1, 768)), precision="tf32", arch=arch))
         for rows in (16, 48, 128):   # few float32 rows on mma.sync: an N-major weight read in place
             for precision in ("exact", "tf32"):
