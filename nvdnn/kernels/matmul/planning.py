@@ -245,17 +245,20 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
         tile = None
     spec = _choose(req, geo, precision, (a_major, a_sm, a_sk, a.align), (b_major, b_sn, b_sk, b.align),
                    arch_n, tile, split_k, sms)
-    if (spec.kernel == "wgmma" and spec.precision == "tf32" and not spec.promote and b_major == "n"
-            and (a_major == "k" or (a_major == "m" and m < n)) and norm is None and gather is None and b_gather is None):
+    if out_rows is not None and gather is None:
+        raise ValidationError("out_rows: image rows are an implicit GEMM's (give gather)", arg="out_rows")
+    if (spec.kernel == "wgmma" and spec.precision == "tf32" and not spec.promote and b_major == "n" and n > 64
+            and (a_major == "k" or (a_major == "m" and m < n)) and norm is None and gather is None and b_gather is None
+            and _wgmma_direct(b.dtype, "m", b_sn, b_sk, b.align, geo.b[2])):
         # tf32 wgmma reads K-major tiles from shared memory, and an M-major A from registers:
         # y^T = b^T a^T reads both as they lie where y = a b would copy b K-major first (with
-        # an M-major a too: copies the smaller of the two)
+        # an M-major a too: copies the smaller of the two). Not where a tensor map cannot read
+        # b^T (rows of N not 16-byte multiples) or on 64 columns or fewer (the swapped rows
+        # would take the decode kernels, and such a b costs little to copy)
         return _transposed_plan(a, b, bias, bias_axis, residual, out_strides,
                                 dict(alpha=alpha, beta=beta, epilogue=epilogue, params=params, out_dtype=out_dtype,
                                      out_align=out_align, precision=precision, amax=amax, arch=arch, tile=tile,
                                      split_k=split_k, sms=sms))
-    if out_rows is not None and gather is None:
-        raise ValidationError("out_rows: image rows are an implicit GEMM's (give gather)", arg="out_rows")
     if gather is not None:
         if spec.kernel != "wgmma" or spec.promote or not _wgmma_direct(b.dtype, b_major, b_sn, b_sk, b.align, 0):
             raise UnsupportedError(f"an implicit im2col A needs the wgmma kernel reading B in place, not {spec.uri}")
