@@ -155,6 +155,19 @@ def test_arguments_are_checked():
         ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, alignment="centre")
     with pytest.raises(ValueError, match="dropout_mask"):
         ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, dropout_p=0.1)
+    with pytest.raises(ValueError, match="attn_mask: data type uint8"):
+        ref.scaled_dot_product_attention(q, k, v, np.ones((5, 7), np.uint8), enable_gqa=True)
+    with pytest.raises(ValueError, match="3 given for 2 sequences"):
+        ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, seq_lens_kv=[1, 2, 3])
+
+
+def test_edge_arguments():
+    q, k, v = _inputs(np.random.default_rng(8))
+    everything_dropped = ref.scaled_dot_product_attention(q, k, v, dropout_p=1.0, dropout_mask=np.ones((2, 2, 5, 7)))
+    assert (everything_dropped == 0).all()
+    o = ref.scaled_dot_product_attention(q[0], k[0], v[0], seq_lens_q=[3], seq_lens_kv=4)   # no batch dim
+    np.testing.assert_allclose(o, ref.scaled_dot_product_attention(q[:1], k[:1], v[:1], seq_lens_q=[3],
+                                                                   seq_lens_kv=[4])[0], rtol=1e-14)
 
 
 def test_varlen_is_each_sequence_alone():
@@ -196,19 +209,19 @@ def _numeric(f, x, eps=1e-6):
 @pytest.mark.parametrize("case", BACKWARD, ids=[c[0] for c in BACKWARD])
 def test_backward_matches_central_differences(case):
     _, sizes, options, _ = case
-    small = {**dict(b=1, sq=3, sk=4, d=3, dv=2), **{k: v for k, v in sizes.items() if k in ("hq", "hkv")},
+    small = {**dict(b=2, sq=3, sk=4, d=3, dv=2), **{k: v for k, v in sizes.items() if k in ("hq", "hkv")},
              **({} if "sq" not in sizes else dict(sq=min(sizes["sq"], 5), sk=min(sizes["sk"], 4)))}
     options = dict(options)
     for key in ("seq_lens_q", "seq_lens_kv"):
         if key in options:
-            options[key] = [min(options[key][0], small["sq" if key == "seq_lens_q" else "sk"])]
+            options[key] = [min(n, small["sq" if key == "seq_lens_q" else "sk"]) for n in options[key]]
     rng = np.random.default_rng(6)
     q, k, v = _inputs(rng, **small)
-    shape = (1, q.shape[1], q.shape[2], k.shape[2])
-    if "attn_mask" in options:
+    shape = (2, q.shape[1], q.shape[2], k.shape[2])
+    if "attn_mask" in options:   # a float mask broadcast over the batch: its gradient sums it
         mask = np.asarray(options["attn_mask"])
         options["attn_mask"] = (rng.random(shape) < 0.6 if mask.dtype == bool else
-                                np.where(rng.random(shape[-2:]) < 0.2, -np.inf, rng.standard_normal(shape[-2:])))
+                                np.where(rng.random((1,) + shape[1:]) < 0.2, -np.inf, rng.standard_normal((1,) + shape[1:])))
     if "dropout_mask" in options:
         options["dropout_mask"] = rng.random(shape) > options["dropout_p"]
     sinks = options.pop("sinks", None)

@@ -44,10 +44,15 @@ def _expand(x, groups: int):
 
 
 def _lengths(lengths, lead, size):
-    """Per-sequence lengths broadcast to the lead dims + (1, 1, 1) (None: ``size`` throughout)."""
+    """Per-sequence lengths, one for each of the lead dims' sequences, shaped lead + (1, 1, 1)
+    (None: ``size`` throughout)."""
     if lengths is None:
         return np.full(lead + (1, 1, 1), size)
-    return np.broadcast_to(np.asarray(lengths).reshape(np.shape(lengths) + (1, 1, 1)), lead + (1, 1, 1))
+    lengths = np.asarray(lengths)
+    if lengths.size != int(np.prod(lead)):
+        raise ValueError(f"sequence lengths: {lengths.size} given for {int(np.prod(lead))} sequences (q's lead dims "
+                         f"{lead})")
+    return lengths.reshape(lead + (1, 1, 1))
 
 
 SCORE_OPTIONS = ("attn_mask", "is_causal", "scale", "alignment", "window", "alibi_slopes", "softcap", "seq_lens_q",
@@ -89,6 +94,8 @@ def _scores(q, k, groups, *, attn_mask, is_causal, scale, alignment, window, ali
             allowed &= j <= pos + right
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
+        if mask.dtype != np.bool_ and mask.dtype.kind != "f":
+            raise ValueError(f"attn_mask: data type {mask.dtype}: a boolean mask (True attends) or a float one (added)")
         if mask.dtype == np.bool_:
             allowed = allowed & mask
         else:
@@ -121,7 +128,7 @@ def _dropped(p, dropout_p, dropout_mask):
         return p
     if dropout_mask is None:
         raise ValueError("dropout_mask: dropout_p > 0 needs the mask of kept entries the kernel's RNG drew")
-    return p * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p)
+    return p * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p) if dropout_p < 1 else np.zeros_like(p)
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
@@ -183,10 +190,11 @@ def scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=None, i
 
 
 def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_kv, **options):
-    """``fn`` (one of the two above, forward only) over packed variable-length sequences: q
+    """The forward ``fn`` (scaled_dot_product_attention) over packed variable-length sequences: q
     (total_q, Hq, D), k / v (total_kv, Hkv, D), sequence b at rows cu_seqlens[b]:cu_seqlens[b +
     1], as flash_attn_varlen and cuDNN's ragged offsets lay them out; returns o (total_q, Hq,
-    Dv) (and lse (Hq, total_q) with ``return_lse``)."""
+    Dv) (and lse (Hq, total_q) with ``return_lse``). ``options`` apply to every sequence alike
+    (no per-sequence mask)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     outs, lses = [], []
     for b in range(len(cu_seqlens_q) - 1):
