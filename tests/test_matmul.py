@@ -99,11 +99,14 @@ def test_heuristic_kernels():
                           arch="sm_90", split_k=1)
     assert [l.pointers for l in plan.launches] == [("scratch0", "a"), ("y", "b", "scratch0")]
     assert _kernel(plan).a_major == "m" and plan.scratch == (512 * 1024 * 4,)
-    # no swap where b^T is no tensor map's (rows of 1029 floats) or b has 64 columns or fewer
-    for n in (1029, 64):
+    # no swap where b^T is no tensor map's (rows of 1029 floats) or the swapped rows would be
+    # decode rows (8 columns); 16 columns swap
+    assert _kernel(mm.plan_matmul(op("float32", (4096, 4096)), op("float32", (4096, 16)), precision="tf32",
+                                  arch="sm_90")).a_major == "m"
+    for n in (1029, 8):
         plan = mm.plan_matmul(op("float32", (512, 1024), (1, 512)), op("float32", (1024, n)), precision="tf32",
                               arch="sm_90", split_k=1)
-        assert [l.pointers for l in plan.launches] == [("scratch0", "b"), ("y", "a", "scratch0")], n
+        assert plan.launches[-1].pointers[:2] == ("y", "a"), n
     with pytest.raises(ValidationError, match="out_rows"):
         mm.plan_matmul(f1k, f1k, precision="tf32", arch="sm_90", out_rows=(1, 1, 0, 0, 0, 0))
     f32n = _kernel(mm.plan_matmul(op("float32", (128, 128)), op("float32", (128, 128)), precision="tf32",

@@ -15,7 +15,8 @@ from ...spec import one_of
 from .. import Launch, Plan, pointwise, repack
 from ..pointwise import Operand
 from ..reduce import GRID_COUNTERS
-from .heuristic import _heuristic_tile, mma_reads_in_place, split_count, sums_in_second_launch, wgmma_walk
+from .heuristic import (SKINNY_MAX_ROWS, _heuristic_tile, mma_reads_in_place, split_count, sums_in_second_launch,
+                        wgmma_walk)
 from .skinny import SkinnySpec, plan_skinny
 from .tensor_maps import Im2colA, operand_map
 from .specs import (DEFAULT_SMS, EPI_DTYPES, FP8, HALF, IN_DTYPES, INT32_MAX, OUT_DTYPES, MatmulReduceSpec,
@@ -247,14 +248,15 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
                    arch_n, tile, split_k, sms)
     if out_rows is not None and gather is None:
         raise ValidationError("out_rows: image rows are an implicit GEMM's (give gather)", arg="out_rows")
-    if (spec.kernel == "wgmma" and spec.precision == "tf32" and not spec.promote and b_major == "n" and n > 64
+    if (spec.kernel == "wgmma" and spec.precision == "tf32" and not spec.promote and b_major == "n" and n > SKINNY_MAX_ROWS
             and (a_major == "k" or (a_major == "m" and m < n)) and norm is None and gather is None and b_gather is None
             and _wgmma_direct(b.dtype, "m", b_sn, b_sk, b.align, geo.b[2])):
         # tf32 wgmma reads K-major tiles from shared memory, and an M-major A from registers:
         # y^T = b^T a^T reads both as they lie where y = a b would copy b K-major first (with
         # an M-major a too: copies the smaller of the two). Not where a tensor map cannot read
-        # b^T (rows of N not 16-byte multiples) or on 64 columns or fewer (the swapped rows
-        # would take the decode kernels, and such a b costs little to copy)
+        # b^T (rows of N not 16-byte multiples) or on SKINNY_MAX_ROWS columns or fewer (the
+        # swapped rows would take the decode kernel, unmeasured on that layout; such a b costs
+        # little to copy)
         return _transposed_plan(a, b, bias, bias_axis, residual, out_strides,
                                 dict(alpha=alpha, beta=beta, epilogue=epilogue, params=params, out_dtype=out_dtype,
                                      out_align=out_align, precision=precision, amax=amax, arch=arch, tile=tile,
