@@ -8,8 +8,7 @@ itself (CuPy's, about 5-8 us) hides how much of a call is nvdnn's own Python. He
 live on fake device memory and each launch is a no-op, so what is timed is the rest: the wrapper,
 the replay and CuPy's array construction. Toy entry points take one to three arrays, as the
 pointwise and norm calls do. A dependent launch (runtime.DependentFunction) is timed with the
-driver call stubbed out.
-Each figure is the minimum over 5 trials of the mean of N calls.
+driver call stubbed out. Each figure is the minimum over 5 trials of the mean of N calls.
 """
 from __future__ import annotations
 

@@ -134,14 +134,16 @@ def call_us(fn, sets: int = 1, calls: int = 1000, trials: int = 5, warmup: int =
     for i in range(warmup):
         fn(i % sets)
     sync()
-    samples = []
-    for _ in range(trials):
-        started = time.perf_counter_ns()
-        for i in range(calls):
-            fn(i % sets)
-        sync()
-        samples.append((time.perf_counter_ns() - started) / calls / 1e3)
-    return statistics.median(samples)
+    return statistics.median(_trial_us(fn, sets, calls, sync) for _ in range(trials))
+
+
+def _trial_us(fn, sets: int, calls: int, sync) -> float:
+    """Wall clock per call (µs) of ``calls`` back-to-back ``fn(i % sets)``, synchronized at the end."""
+    started = time.perf_counter_ns()
+    for i in range(calls):
+        fn(i % sets)
+    sync()
+    return (time.perf_counter_ns() - started) / calls / 1e3
 
 
 def interleaved_us(fns: dict, trials: int = 7, warmup: int = 3) -> dict:
@@ -163,12 +165,7 @@ def interleaved_us(fns: dict, trials: int = 7, warmup: int = 3) -> dict:
     sync()
     for _ in range(trials):
         for name in samples:
-            fn, n = fns[name], calls[name]
-            started = time.perf_counter_ns()
-            for i in range(n):
-                fn(i)
-            sync()
-            samples[name].append((time.perf_counter_ns() - started) / n / 1e3)
+            samples[name].append(_trial_us(fns[name], 1, calls[name], sync))
     out.update({name: statistics.median(v) for name, v in samples.items()})
     return out
 
