@@ -9,8 +9,8 @@ later runs those layers on that arch finds each kernel in the cache.
 
 Linear layers are declared as a program writes them (nn.Linear's packed (N, K) weight, used
 as ``x @ w.T``), so the warmed GEMM is the one the program asks for. Layers whose op has no
-kernel family yet (attention) are checked at run time against the anchor op table
-and reported as skipped, one line per op, never dropped silently.
+kernel family yet are checked at run time against the anchor op table and reported as
+skipped, one line per op, never dropped silently.
 """
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ _SCORES = io("batch", "heads", "seq", "seq")
 TRANSFORMER_LAYERS = (
     *_norm_rows("layer"), *_norm_rows("rms"),
     layer("qkv", "matmul", {"a": io("tokens", "hidden"), "b": linear_weight("hidden", "qkv"), "bias": io("qkv")}),
-    layer("attention", "attention", {"q": io("batch", "heads", "seq", "head_dim"),
+    layer("attention", "sdpa", {"q": io("batch", "heads", "seq", "head_dim"),
                                      "k": io("batch", "kv_heads", "seq", "head_dim"),
                                      "v": io("batch", "kv_heads", "seq", "head_dim")}, {"causal": True}),
     layer("softmax", "softmax", {"x": _SCORES}, {"axis": -1}),
@@ -302,8 +302,8 @@ def _transformer_variants(p: dict) -> list[dict]:
 TRANSFORMER = Model(
     "transformer", "one decoder layer: layer / RMS norm (+residual, training forward, backward), softmax "
     "(+causal, backward), bias + GELU / SiLU, SiLU * up, the projections as nn.Linear layers (x @ w.T + b; "
-    "the MLP's up projection with GELU; a gated MLP's gate and up without bias); attention is declared and "
-    "skipped until its family exists",
+    "the MLP's up projection with GELU; a gated MLP's gate and up without bias), causal attention (fused "
+    "SDPA: o and the rows' log-sum-exp)",
     (Param("hidden", "int", "4096", "hidden size"),
      Param("heads", "int", "32", "attention heads"),
      Param("head_dim", "int", "128", "size of one head"),
@@ -407,6 +407,16 @@ def missing_family(op: str) -> str | None:
     return None
 
 
+def arch_gap(op: str, arch: str) -> str | None:
+    """Why ``op``'s family has no kernel at all for ``arch`` (its module's ``arch_reason``), or None."""
+    from . import kernels
+    from .graph.anchors import ANCHORS
+    if op not in ANCHORS:
+        return None
+    check = getattr(kernels.family(ANCHORS[op].family), "arch_reason", None)
+    return check(arch) if check is not None else None
+
+
 def layer_graph(row: Layer, tensors: tuple, arch: str):
     """The graph a program builds for one layer on ``arch`` (the functional API's one-node graph),
     taken through check_support; no GPU needed."""
@@ -481,6 +491,11 @@ def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = Fa
             row = _bind(row, values, "")   # names in attributes too (conv_dgrad's x_dims holds the batch)
             tensors = resolve(row, values)
             for arch in archs:
+                reason = arch_gap(row.op, arch)
+                if reason is not None:
+                    label = f"{row.op} on {arch}"
+                    skipped[label] = (skipped.get(label, (0, reason))[0] + row.count, reason)
+                    continue
                 key = (row.op, tensors, row.attrs, row.then, arch, candidates)
                 if key not in planned:
                     try:

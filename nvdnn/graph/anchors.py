@@ -507,3 +507,6 @@ register(_matmul_backward(False), _matmul_backward(True))
 
 # -- convolution: fprop, dgrad, wgrad (their rows: graph/anchors_conv.py) --------------------------
 from . import anchors_conv  # noqa: E402,F401
+
+# -- attention: sdpa (its row: graph/anchors_attention.py) ------------------------------------------
+from . import anchors_attention  # noqa: E402,F401

@@ -36,7 +36,7 @@ class Plan(NamedTuple):
     scratch: tuple = ()
 
 
-FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv")
+FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv", "attention")
 
 
 def family(name: str):

@@ -12,6 +12,14 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* map, int c
                   "r"(c0), "r"(c1), "r"(c2), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
                : "memory");
 }
+// A 4-D box (an attention tile: head-dim columns, rows of a sequence, one head of one batch).
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaDesc* map, int c0, int c1, int c2, int c3,
+                                            unsigned long long* bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];"
+               :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(reinterpret_cast<unsigned long long>(map)),
+                  "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
 // The same box written to the same shared offset of every block in ``mask`` (cluster ranks),
 // completing its bytes on each one's barrier at ``bar``'s offset.
 __device__ __forceinline__ void tma_load_3d_multicast(void* dst, const TmaDesc* map, int c0, int c1, int c2,

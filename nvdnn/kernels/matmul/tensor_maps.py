@@ -18,8 +18,10 @@ _MAP_TYPES = {"float32": "FLOAT32", "float16": "FLOAT16", "bfloat16": "BFLOAT16"
 
 
 class TensorMapArg(NamedTuple):
-    """A tiled map over the array of launch pointer ``pointer``: 3D (K, rows, batch) in elements,
-    strides in bytes, a (box_k, box_rows, 1) box, 128-byte swizzle, zero fill out of bounds."""
+    """A tiled map over the array of launch pointer ``pointer``: dims innermost first in elements
+    (a GEMM operand's (K, rows, batch); an attention tile's (D, S, heads, batch)), the strides
+    of all but the first in bytes, a box of as many dims, 128-byte swizzle, zero fill out of
+    bounds."""
     pointer: int
     dtype: str
     dims: tuple
@@ -28,9 +30,9 @@ class TensorMapArg(NamedTuple):
 
     def resolve(self, address: int):
         return _kept(address, self, lambda driver, kind: driver.cuTensorMapEncodeTiled(
-            kind, 3, address, [driver.cuuint64_t(d) for d in self.dims],
+            kind, len(self.dims), address, [driver.cuuint64_t(d) for d in self.dims],
             [driver.cuuint64_t(s) for s in self.strides], [driver.cuuint32_t(b) for b in self.box],
-            [driver.cuuint32_t(1)] * 3, *_modes(driver)))
+            [driver.cuuint32_t(1)] * len(self.dims), *_modes(driver)))
 
 
 def operand_map(pointer, dtype, k_major: bool, rows, k, s_row, s_k, s_batch, batch, bk, box_rows) -> TensorMapArg:

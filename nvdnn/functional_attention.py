@@ -1,0 +1,131 @@
+"""nvdnn.scaled_dot_product_attention: PyTorch's F.scaled_dot_product_attention arguments on
+the fused attention kernel (kernels/attention.py), planned once per signature."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import arrays, callsite, dtypes, launcher
+from . import functional_checks as checks
+from .errors import UnsupportedError, ValidationError
+from .functional import _signature
+from .functional_conv import _empty
+from .functional_matmul import _check_out, _operand
+from .kernels import attention as family
+
+_PLANS: dict = {}
+_PLAN_LIMIT = 256
+
+
+@checks.remembered
+def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out) -> None:
+    """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
+    device work, the same on every machine."""
+    metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
+    q, k, v = metas.values()
+    for role, meta in metas.items():
+        if len(meta.shape) not in (3, 4) or len(meta.shape) != len(q.shape):
+            raise ValidationError(f"{role}: shape {meta.shape}; query, key and value are all (B, H, S, D) or all "
+                                  f"(H, S, D) (query has {len(q.shape)} dims)", arg=role)
+    if k.shape[:-3] != q.shape[:-3] or v.shape[:-3] != q.shape[:-3]:
+        raise ValidationError(f"key, value: batch {k.shape[:-3]}, {v.shape[:-3]} should equal query's "
+                              f"{q.shape[:-3]}", arg="key")
+    if k.shape[-3] != v.shape[-3] or k.shape[-3] == 0 or q.shape[-3] % k.shape[-3]:
+        raise ValidationError(f"key, value: {k.shape[-3]} and {v.shape[-3]} heads; they must be equal and divide "
+                              f"query's {q.shape[-3]} (dim -3)", arg="key")
+    if k.shape[-3] != q.shape[-3] and not enable_gqa:
+        raise ValidationError(f"key: {k.shape[-3]} heads for query's {q.shape[-3]} need enable_gqa=True", arg="key")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValidationError(f"value: {v.shape[-2]} keys (dim -2), key has {k.shape[-2]}", arg="value")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValidationError(f"key: head dim {k.shape[-1]} (dim -1) should equal query's {q.shape[-1]}", arg="key")
+    if q.dtype not in family.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"query, key, value: data types {q.dtype}, {k.dtype}, {v.dtype}; the attention "
+                               f"kernel takes one of {', '.join(family.DTYPES)} for all three", arg="query")
+    if v.shape[-1] != q.shape[-1] or q.shape[-1] > family.HEAD_TILES[-1] or q.shape[-1] % 8:
+        raise UnsupportedError(f"value: head dims {q.shape[-1]} (query) and {v.shape[-1]} (value); the kernel takes "
+                               f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
+    if attn_mask is not None:
+        raise UnsupportedError("attn_mask: the attention kernel takes no mask yet (is_causal=True gives the causal "
+                               "one); nvdnn.reference.scaled_dot_product_attention computes any mask", arg="attn_mask")
+    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise UnsupportedError(f"dropout_p: {dropout_p!r}; the attention kernel has no dropout yet", arg="dropout_p")
+    checks.flag(is_causal, "scaled_dot_product_attention", "is_causal")
+    checks.flag(enable_gqa, "scaled_dot_product_attention", "enable_gqa")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
+                              or not math.isfinite(scale)):
+        raise ValidationError(f"scale: {scale!r}; a finite number, or None for 1 / sqrt(head dim)", arg="scale")
+    checks.choice(dict.fromkeys(family.ALIGNMENTS), alignment, "alignment")
+    if out is not None and checks.describe(out, "out").shape != q.shape:
+        raise ValidationError(f"out: shape {tuple(out.shape)} should be {q.shape}", arg="out")
+
+
+def _batched(x):
+    """A (H, S, D) array as (1, H, S, D)."""
+    return x if x.ndim == 4 else x[None]
+
+
+@callsite.fast
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, alignment="top_left", return_lse=False, out=None, stream=None):
+    """softmax(scale * query key^T [causal]) value in one kernel, PyTorch's meanings.
+
+    query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) (or all without B), fp16 / bf16, in any
+    strides with a contiguous head dim (BHSD and BSHD memory read in place; others are copied);
+    Hkv divides Hq with ``enable_gqa``. ``scale``: 1 / sqrt(D) by default. ``is_causal``: key j
+    is kept for query i when j <= i (``alignment="top_left"``, PyTorch's) or j <= i + Sk - Sq
+    ("bottom_right", FlashAttention's); a row with no key left gives zeros. The result is in
+    query's layout (or written into ``out``); with ``return_lse`` also the rows' log-sum-exp
+    of the scaled scores, (B, Hq, Sq) float32, what a training forward saves.
+    """
+    check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out)
+    device = checks.device()
+    cp = arrays.cupy()
+    xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})
+    kind = dtypes.of_array(xs["q"], arg="query").name
+    xs = {role: _batched(x) for role, x in xs.items()}
+    ops = {role: _operand(x, kind) for role, x in xs.items()}
+    for role, op in ops.items():
+        if family.unreadable(op, role) and op.shape[2]:  # a layout no tensor map reads: a packed copy
+            callsite.refuse(f"{role} copied to a packed layout")
+            xs[role] = cp.ascontiguousarray(xs[role])
+            ops[role] = _operand(xs[role], kind)
+    dims = ops["q"].shape
+    out_dev = None if out is None else _batched(out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0])
+    if out_dev is not None:
+        _check_out(out_dev, kind, xs)
+    o = out_dev if out_dev is not None else _empty(cp, dims, ops["q"].strides, kind)
+    o_strides = tuple(s // o.itemsize for s in o.strides)
+    lse = cp.empty(dims[:3], np.float32) if return_lse else None
+    if math.prod(dims) and ops["k"].shape[2]:
+        key = (device, tuple((r, _signature(a)) for r, a in xs.items()), o_strides, bool(is_causal), alignment,
+               None if scale is None else float(scale), bool(return_lse))
+        plan = _PLANS.get(key)
+        if plan is None:
+            from .compiler import device_arch
+            reason = family.arch_reason(device_arch(device))
+            if reason:
+                raise UnsupportedError(f"scaled_dot_product_attention: {reason}")
+            plan = family.plan_sdpa(ops["q"], ops["k"], ops["v"], causal=bool(is_causal), alignment=alignment,
+                                    scale=scale, lse=bool(return_lse), o_strides=o_strides)
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
+        launcher.run(plan, {**xs, "o": o, **({"stats": lse} if lse is not None else {})}, stream=stream)
+    elif math.prod(dims):  # no keys: every row is empty
+        callsite.refuse("no keys: filled without a kernel")
+        o[...] = 0
+        if lse is not None:
+            lse[...] = -np.inf
+    if len(query.shape) == 3:
+        o, lse = o[0], None if lse is None else lse[0]
+    if out is not None:
+        if isinstance(out, np.ndarray):
+            out[...] = o.get()
+        o = out
+    elif back is not None:
+        o = back(o)
+    if lse is not None and back is not None:
+        lse = back(lse)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,57 @@
+"""The attention row of the anchor op table (graph/anchors.py): sdpa, the cuDNN frontend's
+scaled-dot-product attention node, o = softmax(attn_scale * q k^T [causal]) v and its rows'
+log-sum-exp ``stats`` (what the backward reads), planned by kernels/attention.py. Grouped-query
+attention follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
+from __future__ import annotations
+
+from .. import reference as ref
+from ..errors import DTypeError, UnsupportedError
+from ..kernels import attention
+from . import rules
+from .anchors import AnchorOp, Meta, _need, register
+from .tensor import contiguous_strides
+
+_ATTRS = (("attn_scale", None, rules.optional(rules.real())), ("causal", False, rules.FLAG),
+          ("alignment", "top_left", rules.one_of(*attention.ALIGNMENTS)))
+
+
+def _check(a, m):
+    """(B, H, S, D) q, k, v of one type; k's and v's heads equal and dividing q's, their keys equal,
+    one head dim."""
+    q, k, v = m["q"], m["k"], m["v"]
+    for role in ("q", "k", "v"):
+        _need(len(m[role].dims) == 4, role, f"has dims {list(m[role].dims)}; needs (B, H, S, D)")
+        if m[role].data_type and q.data_type and m[role].data_type != q.data_type:
+            raise DTypeError(f"'{role}' is {m[role].data_type}; needs q's {q.data_type}", arg=role)
+    _need(k.dims[0] == q.dims[0] and v.dims[0] == q.dims[0], "k", f"batch {k.dims[0]} should equal q's {q.dims[0]}")
+    _need(k.dims[1] == v.dims[1] and q.dims[1] % k.dims[1] == 0, "k", f"has {k.dims[1]} heads (v {v.dims[1]}); "
+          f"they must be equal and divide q's {q.dims[1]}")
+    _need(k.dims[2] == v.dims[2], "v", f"has {v.dims[2]} keys; k has {k.dims[2]}")
+    _need(k.dims[3] == q.dims[3] == v.dims[3], "v", f"head dims q {q.dims[3]}, k {k.dims[3]}, v {v.dims[3]}: one "
+          "head dim for all three")
+
+
+def _infer(a, m):
+    q = m["q"]
+    stats = q.dims[:3]
+    return [Meta(q.dims, attention.output_strides(q.dims, q.strides), None),
+            Meta(stats, contiguous_strides(stats), "float32")]
+
+
+def _plan(a, o, e):
+    q = o["q"]
+    if e.out_dtype not in (None, q.dtype):
+        raise UnsupportedError(f"sdpa: o is {e.out_dtype}; the kernel writes q's {q.dtype}", arg="o")
+    return attention.plan_sdpa(q, o["k"], o["v"], causal=a["causal"], alignment=a["alignment"],
+                               scale=a["attn_scale"], lse=True, o_strides=attention.output_strides(q.shape, q.strides),
+                               spec=e.tile)
+
+
+def _reference(a, v):
+    groups = v["q"].shape[1] != v["k"].shape[1]
+    return ref.scaled_dot_product_attention(v["q"], v["k"], v["v"], is_causal=a["causal"], scale=a["attn_scale"],
+                                            enable_gqa=groups, alignment=a["alignment"], return_lse=True)
+
+
+register(AnchorOp("sdpa", "attention", ("q", "k", "v"), ("o", "stats"), _ATTRS, _infer, _plan, _reference,
+                  epilogue=False, check=_check))

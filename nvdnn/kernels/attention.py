@@ -1,0 +1,221 @@
+"""Scaled-dot-product attention kernels (sm_90a): softmax(scale * Q K^T, causal) V in one launch,
+FlashAttention's online softmax on the GEMM core's pieces (TMA tiles over 4-D tensor maps,
+an mbarrier ring, warpgroup MMAs; templates/attention/forward.cu.j2 says how).
+
+q is (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, D) in any strides with a contiguous
+head dim and 16-byte multiples elsewhere (BHSD and BSHD memory both read in place); Hkv divides
+Hq (query head h reads key / value head h // (Hq / Hkv)). The output o has q's dims, written
+through its strides; lse (B, Hq, Sq) float32, the natural log-sum-exp of each row's scaled
+scores, is written when the plan asks for it (a training forward's statistics).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import UnsupportedError, ValidationError
+from ..spec import KernelSpec, one_of
+from . import Launch, Plan
+from .matmul.specs import SMEM_LIMIT
+from .matmul.tensor_maps import TensorMapArg
+from .pointwise import Operand
+
+DTYPES = ("float16", "bfloat16")
+HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-byte) chunks
+KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
+REGISTERS = 184                        # O, S and P registers a consumer thread may hold (of 240)
+ALIGNMENTS = ("top_left", "bottom_right")
+_CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
+_PTX = {"float16": "f16", "bfloat16": "bf16"}
+# (keys a tile, ring stages) by padded head dim: as many keys as O, S and P leave registers for
+DEFAULT_TILES = {64: (128, 3), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KernelSpec):
+    """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``; tensor maps of q, k, v;
+    then heads, groups, sq, sk, d, shift, scale_log2, o's batch / head / row strides."""
+    family = "attention"
+    template = "attention/forward.cu.j2"
+    tile_fields = ("bn", "stages", "consumers")
+
+    dtype: str
+    hd: int                 # HEAD_TILES: the head dim rounded up to 64 columns
+    causal: bool
+    lse: bool
+    bn: int = 128           # keys a tile
+    stages: int = 2         # K / V tiles in flight
+    consumers: int = 2      # warpgroups of 64 query rows each
+
+    def validate(self) -> None:
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.hd, HEAD_TILES, "hd")
+        one_of(self.causal, (False, True), "causal")
+        one_of(self.lse, (False, True), "lse")
+        one_of(self.bn, KEY_TILES, "bn")
+        one_of(self.stages, (2, 3, 4), "stages")
+        one_of(self.consumers, (1, 2), "consumers")
+        held = self.hd // 2 + self.bn // 2 + self.bn // 4
+        if held > REGISTERS:
+            raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
+                                  f"and P, more than {REGISTERS}", arg="bn")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValidationError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
+                                  arg="stages")
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return (self.consumers + 1) * 128
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q's tile, the K and V ring, the barriers, and 1 KB to align the swizzled tiles."""
+        return 1024 + (self.bm + 2 * self.stages * self.bn) * self.hd * 2 + 8 * (1 + 3 * self.stages)
+
+    @property
+    def uri(self) -> str:
+        return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
+                + ("/lse" if self.lse else "") + f"/{self.bm}x{self.bn}s{self.stages}")
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_attention_fwd"
+
+    def target_arch(self, arch: str) -> str:
+        return "sm_90a" if arch == "sm_90" else arch
+
+    def render_context(self) -> dict:
+        io = "const io_t* __restrict__ "
+        return {"io_t": _CTYPE[self.dtype], "kind": _PTX[self.dtype], "hd": self.hd, "bn": self.bn,
+                "stages": self.stages, "consumers": self.consumers, "causal": self.causal, "lse": self.lse,
+                "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
+                + (["float* __restrict__ lse"] if self.lse else [])
+                + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
+                + ["int heads", "int groups", "int sq", "int sk", "int d", "int shift", "float scale_log2",
+                   "long long o_sb", "long long o_sh", "long long o_ss"]}
+
+
+def arch_reason(arch: str) -> str | None:
+    """Why the family has no kernel for ``arch``, or None (model presets skip it there)."""
+    from ..compiler import arch_number
+    if arch_number(arch) != 90:
+        return f"the attention kernel runs on sm_90a (Hopper: TMA and wgmma) only; {arch} has none yet"
+    return None
+
+
+def unsupported_reason(spec, arch: str) -> str | None:
+    return arch_reason(arch)
+
+
+def head_tile(d: int) -> int:
+    return -(-d // 64) * 64
+
+
+def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool) -> AttentionSpec:
+    """The default tile: two warpgroups of 64 rows (one for a query of at most 64 rows), the keys
+    a tile DEFAULT_TILES gives the head dim."""
+    hd = head_tile(d)
+    bn, stages = DEFAULT_TILES[hd]
+    return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2)
+
+
+def unreadable(op: Operand, role: str) -> str | None:
+    """Why a tensor map cannot read ``op`` (B, H, S, D) as it lies, or None."""
+    width = dtypes.BY_NAME[op.dtype].itemsize
+    if op.shape[3] > 1 and op.strides[3] != 1:
+        return f"{role}: the head dim (dim 3) must be contiguous (stride 1), got stride {op.strides[3]}"
+    if op.align < 16:
+        return f"{role}: the address must be a 16-byte multiple"
+    for dim in (0, 1, 2):
+        st = op.strides[dim] * width
+        if op.shape[dim] > 1 and (st % 16 or not 0 < st < 2 ** 40):
+            return (f"{role}: dim {dim}'s stride of {op.strides[dim]} elements is not a positive 16-byte multiple "
+                    f"(a head dim of {op.shape[3]}: pad it to a multiple of {16 // width})")
+    return None
+
+
+def output_strides(dims: tuple, strides: tuple) -> tuple:
+    """Packed strides of an output of ``dims`` in the memory order of ``strides`` (q's: BHSD
+    or BSHD), so a result feeds the next layer in the layout its input came in."""
+    order = sorted(range(len(dims)), key=lambda dim: -strides[dim])
+    out, step = [0] * len(dims), 1
+    for dim in reversed(order):
+        out[dim] = step
+        step *= dims[dim]
+    return tuple(out)
+
+
+def _map(pointer: int, op: Operand, rows: int) -> TensorMapArg:
+    """A (D, S, H, B) map read in boxes of 64 columns by ``rows`` rows of one head; a dim of size 1
+    gets a stride the driver takes (its coordinate is always 0)."""
+    width = dtypes.BY_NAME[op.dtype].itemsize
+    b, h, s, d = op.shape
+    strides, packed = [], d * width
+    for size, st in ((s, op.strides[2]), (h, op.strides[1]), (b, op.strides[0])):
+        packed = -(-packed // 16) * 16
+        strides.append(st * width if size > 1 else packed)
+        packed = strides[-1] * size
+    return TensorMapArg(pointer, op.dtype, (d, s, h, b), tuple(strides), (64, rows, 1, 1))
+
+
+def check(q: Operand, k: Operand, v: Operand) -> int:
+    """The heads' rule and the shapes the kernel takes; the query heads a key head serves."""
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"query, key, value: data types {q.dtype}, {k.dtype}, {v.dtype}; the attention kernel "
+                               f"takes one of {', '.join(DTYPES)} for all three", arg="query")
+    if q.shape[3] != k.shape[3] or v.shape[3] != q.shape[3]:
+        raise UnsupportedError(f"value: head dim {v.shape[3]} (key {k.shape[3]}, query {q.shape[3]}): the kernel "
+                               "takes one head dim for all three for now", arg="value")
+    if q.shape[3] > HEAD_TILES[-1]:
+        raise UnsupportedError(f"query: head dim {q.shape[3]} is past the kernel's {HEAD_TILES[-1]}", arg="query")
+    return q.shape[1] // k.shape[1]
+
+
+def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, alignment: str = "top_left",
+              scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
+              spec: AttentionSpec | None = None) -> Plan:
+    """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
+    ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes."""
+    groups = check(q, k, v)
+    for role, op in (("query", q), ("key", k), ("value", v)):
+        reason = unreadable(op, role)
+        if reason:
+            raise UnsupportedError(reason, arg=role)
+    one_of(alignment, ALIGNMENTS, "alignment")
+    b, hq, sq, d = q.shape
+    sk = k.shape[2]
+    spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
+    shift = sk - sq if causal and alignment == "bottom_right" else 0
+    args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
+            *(np.int32(x) for x in (hq, groups, sq, sk, d, shift)), np.float32(scale * math.log2(math.e)),
+            *(np.int64(x) for x in o_strides[:3]))
+    grid = (b * hq, -(-sq // spec.bm), 1)
+    pointers = ("o", "q", "k", "v") + (("stats",) if lse else ())
+    return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
+
+
+def candidates(spec: AttentionSpec) -> list:
+    """Tile variants of the same work: keys a tile, stages, warpgroups."""
+    found = []
+    for bn in (64, 96, 128, 176):
+        for stages in (2, 3):
+            try:
+                found.append(AttentionSpec(spec.dtype, spec.hd, spec.causal, spec.lse, bn, stages, spec.consumers))
+            except ValidationError:
+                pass
+    return found
+
+
+def preset() -> list:
+    """fp16 / bf16 at head dims 64, 128 and 256, causal or not, with and without lse."""
+    return [tile_for(dtype, d, 4096, causal=causal, lse=lse) for dtype in DTYPES for d in (64, 128, 256)
+            for causal in (False, True) for lse in (False, True)]

@@ -1,0 +1,163 @@
+"""The attention family without a GPU: spec rules, the plan's launch (grid, tensor maps over BHSD
+and BSHD memory, the causal shift), the deviceless sm_90a builds (HGMMA for both products, P V
+from registers against an N-major V, no local memory, no serialized MMAs), and the argument
+checks of nvdnn.scaled_dot_product_attention, which run before any device work."""
+from __future__ import annotations
+
+import math
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nvdnn
+from nvdnn import codegen, compiler
+from nvdnn.errors import UnsupportedError, ValidationError
+from nvdnn.kernels import attention
+from nvdnn.kernels.attention import AttentionSpec
+from nvdnn.kernels.pointwise import Operand
+
+from .test_compile import _cuobjdump
+
+
+def _op(shape, layout="BHSD", dtype="bfloat16"):
+    b, h, s, d = shape
+    strides = (h * s * d, s * d, d, 1) if layout == "BHSD" else (s * h * d, d, h * d, 1)
+    return Operand(dtype, shape, strides)
+
+
+def test_spec_rules():
+    assert AttentionSpec("bfloat16", 128, True, True).uri == "attention/fwd/bf16/d128/causal/lse/128x128s2"
+    with pytest.raises(ValidationError, match="registers"):
+        AttentionSpec("bfloat16", 256, False, False, 128, 2)      # O 128 + S 64 + P 32 registers
+    with pytest.raises(ValidationError, match="shared memory"):
+        AttentionSpec("bfloat16", 256, False, False, 64, 4)
+    with pytest.raises(ValidationError, match="dtype"):
+        AttentionSpec("float32", 128, False, False)
+    with pytest.raises(ValidationError, match="bn"):
+        AttentionSpec("float16", 64, False, False, 72)
+
+
+def test_default_tiles_validate_and_preset_covers_head_dims():
+    for d in (8, 64, 72, 96, 128, 200, 256):
+        spec = attention.tile_for("float16", d, 4096, causal=False, lse=False)
+        assert spec.hd == -(-d // 64) * 64 and spec.consumers == 2
+    assert attention.tile_for("float16", 128, 64, causal=False, lse=False).consumers == 1
+    hds = {s.hd for s in attention.preset()}
+    assert hds == {64, 128, 256} and {s.causal for s in attention.preset()} == {False, True}
+    assert all(c.hd == 128 for c in attention.candidates(AttentionSpec("bfloat16", 128, False, False)))
+
+
+def test_plan_reads_bshd_in_place_with_gqa_and_bottom_right_shift():
+    q = _op((2, 8, 1000, 128), "BSHD")
+    k = _op((2, 2, 1500, 128), "BSHD")
+    plan = attention.plan_sdpa(q, k, k, causal=True, alignment="bottom_right", lse=True)
+    (launch,) = plan.launches
+    assert launch.grid == (16, 8, 1) and launch.block == (384, 1, 1) and launch.pointers == ("o", "q", "k", "v", "stats")
+    tq, tk, tv = launch.args[:3]
+    assert tq.dims == (128, 1000, 8, 2) and tq.strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
+    assert tq.box == (64, 128, 1, 1) and tk.box == (64, 128, 1, 1) and tk.pointer == 2 and tv.pointer == 3
+    heads, groups, sq, sk, d, shift = (int(a) for a in launch.args[3:9])
+    assert (heads, groups, sq, sk, d, shift) == (8, 4, 1000, 1500, 128, 500)
+    assert math.isclose(float(launch.args[9]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)
+
+
+def test_plan_refuses_layouts_no_tensor_map_reads():
+    q = Operand("bfloat16", (1, 2, 10, 64), (2 * 10 * 64, 10 * 64, 1, 10))  # head dim strided
+    with pytest.raises(UnsupportedError, match="contiguous"):
+        attention.plan_sdpa(q, _op((1, 2, 10, 64)), _op((1, 2, 10, 64)))
+    q = Operand("bfloat16", (1, 2, 10, 64), (2 * 10 * 68, 10 * 68, 68, 1))   # rows of 136 bytes
+    assert "16-byte" in attention.unreadable(q, "query")
+    assert attention.unreadable(_op((1, 1, 1, 64)), "query") is None
+
+
+def _sass(spec, tmp_path) -> tuple[str, str]:
+    result = compiler.compile_cubin(codegen.render(spec), name="attention.cu", options=compiler.options_for("sm_90a"))
+    assert result.spill_bytes == 0 and result.stack_bytes == 0 and "C7513" not in result.log
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    path = tmp_path / "attention.cubin"
+    path.write_bytes(result.cubin)
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout, \
+        result.log
+
+
+@pytest.mark.parametrize("hd,causal,dtype", [(64, True, "bfloat16"), (128, False, "float16"),
+                                             (128, True, "bfloat16"), (256, False, "bfloat16")])
+def test_forward_builds_for_sm90a_with_both_products_on_wgmma(hd, causal, dtype, tmp_path):
+    spec = attention.tile_for(dtype, hd, 4096, causal=causal, lse=True)
+    sass, _ = _sass(spec, tmp_path)
+    kind = {"bfloat16": ".BF16", "float16": ""}[dtype]  # cuobjdump names bf16; f16 is the default
+    assert f"HGMMA.64x{spec.bn}x16.F32{kind} R" in sass and "gdesc" in sass  # S = Q K^T from shared memory
+    assert f"HGMMA.64x{hd}x16.F32{kind} R" in sass and ".tnspB" in sass     # O += P V, P in registers
+    assert "STL" not in sass and "LDL" not in sass
+    assert "MUFU.EX2" in sass
+
+
+def _bf16(shape):
+    return np.zeros(shape, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(k=(2, 3, 40, 64)), ValidationError, "divide"),
+    (dict(k=(2, 2, 40, 64)), ValidationError, "enable_gqa"),
+    (dict(k=(2, 8, 40, 64), v=(2, 8, 41, 64)), ValidationError, "keys"),
+    (dict(k=(2, 8, 40, 32), v=(2, 8, 40, 32)), ValidationError, "head dim"),
+    (dict(k=(3, 8, 40, 64)), ValidationError, "batch"),
+    (dict(q=(8, 33, 64)), ValidationError, "all"),
+    (dict(v=(2, 8, 40, 128)), UnsupportedError, "one head dim"),
+    (dict(q=(2, 8, 33, 60), k=(2, 8, 40, 60), v=(2, 8, 40, 60)), UnsupportedError, "multiple of 8"),
+    (dict(attn_mask=np.zeros((33, 40), bool)), UnsupportedError, "mask"),
+    (dict(dropout_p=0.1), UnsupportedError, "dropout"),
+    (dict(scale=float("inf")), ValidationError, "scale"),
+    (dict(alignment="center"), ValidationError, "alignment"),
+    (dict(out=(2, 8, 33, 32)), ValidationError, "out"),
+])
+def test_bad_arguments_raise_before_device_work(kwargs, error, match):
+    shapes = {"q": (2, 8, 33, 64), "k": (2, 8, 40, 64), "v": None, "out": None}
+    shapes.update({r: kwargs.pop(r) for r in list(kwargs) if r in shapes})
+    shapes["v"] = shapes["v"] or shapes["k"]
+    out = _bf16(shapes["out"]) if shapes["out"] else None
+    with pytest.raises(error, match=match):
+        nvdnn.scaled_dot_product_attention(_bf16(shapes["q"]), _bf16(shapes["k"]), _bf16(shapes["v"]), out=out,
+                                           **kwargs)
+
+
+def test_float32_inputs_are_named():
+    q = np.zeros((1, 2, 8, 64), np.float32)
+    with pytest.raises(UnsupportedError, match="float16, bfloat16"):
+        nvdnn.scaled_dot_product_attention(q, q, q)
+
+
+def test_graph_sdpa_is_one_kernel_and_runs_the_numpy_reference():
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90", name="attn")
+    b, s, d = 2, 33, 64
+    bshd = [s * 4 * d, d, 4 * d, 1]
+    q = g.tensor(dims=[b, 4, s, d], strides=bshd, name="q")
+    k = g.tensor(dims=[b, 2, 40, d], name="k")
+    v = g.tensor(dims=[b, 2, 40, d], name="v")
+    o, stats = g.sdpa(q, k, v, causal=True, alignment="bottom_right", attn_scale=0.1, name="sdpa")
+    assert o.dims == (b, 4, s, d) and o.strides == tuple(bshd) and stats.dims == (b, 4, s)
+    o.set_output(True)
+    stats.set_output(True)
+    g.build()
+    assert len(g.groups) == 1 and [spec.uri for spec in g.binaries] == ["attention/fwd/bf16/d64/causal/lse/64x128s3"]
+    rng = np.random.default_rng(5)
+    pack = {t.name: rng.standard_normal(t.dims).astype(ml_dtypes.bfloat16) for t in (q, k, v)}
+    pack[o.name], pack[stats.name] = np.empty(o.dims), np.empty(stats.dims)
+    g.execute(pack, backend="numpy")
+    exact = {r: pack[r].astype(np.float64) for r in "qkv"}
+    want, lse = nvdnn.reference.scaled_dot_product_attention(exact["q"], exact["k"], exact["v"], is_causal=True,
+                                                             scale=0.1, enable_gqa=True, alignment="bottom_right",
+                                                             return_lse=True)
+    np.testing.assert_allclose(pack[o.name], want, atol=1e-12)
+    np.testing.assert_allclose(pack[stats.name], lse, atol=1e-12)
+
+
+def test_graph_sdpa_names_bad_heads():
+    g = nvdnn.Graph(io_data_type="float16", arch="sm_90")
+    q, k = g.tensor(dims=[1, 6, 8, 64], name="q"), g.tensor(dims=[1, 4, 8, 64], name="k")
+    with pytest.raises(ValidationError, match="'k' has 4 heads"):
+        g.sdpa(q, k, k)

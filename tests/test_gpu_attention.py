@@ -1,0 +1,132 @@
+"""nvdnn.scaled_dot_product_attention on the GPU against the float64 reference, outputs
+NaN-poisoned: fp16 / bf16, head dims 64 / 96 / 128 / 256, odd lengths (1, 7, 129, 1000, 4097)
+with Sq != Sk, causal in both alignments, GQA ratios 1, 4 and 8, BHSD and BSHD memory, the
+log-sum-exp statistics; then torch tensors in and out, and a repeat call through the fast path.
+A failure names the case and the worst error against its bound."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .gpu import requires_gpu
+
+pytestmark = requires_gpu
+
+# (B, Hq, Hkv, Sq, Sk, D)
+SHAPES = {
+    "one": (1, 2, 2, 1, 1, 64),
+    "seven": (2, 4, 1, 7, 7, 128),
+    "129_gqa4": (1, 8, 2, 129, 129, 128),
+    "1000_gqa8": (1, 8, 1, 1000, 1000, 64),
+    "decode_7x1000": (3, 4, 4, 7, 1000, 128),
+    "prefill_129x7": (2, 2, 2, 129, 7, 64),
+    "4097": (1, 2, 2, 4097, 4097, 64),
+    "d96": (2, 3, 3, 200, 333, 96),
+    "d256": (1, 4, 2, 257, 300, 256),
+    "d128_long_kv": (1, 2, 1, 64, 2049, 128),
+}
+# abs error bound for values of v in [-1, 1]: P rounds to 16 bits before P V, O to 16 bits
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}
+CASES = [dict(shape=name, dtype=dtype, causal=causal, alignment=alignment, layout=layout)
+         for i, name in enumerate(SHAPES) for dtype in ("bfloat16", "float16")
+         for causal, alignment in ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
+         for layout in (("BHSD", "BSHD")[(i + len(dtype) + causal) % 2],)]
+
+
+def _array(shape, dtype, layout, rng):
+    """A device array of logical (B, H, S, D) ``shape`` in ``layout`` memory and its float64 value."""
+    import cupy
+
+    from nvdnn import dtypes
+    host = rng.uniform(-1, 1, size=shape).astype(dtypes.BY_NAME[dtype].np)
+    if layout == "BSHD":
+        dev = cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    else:
+        dev = cupy.asarray(host)
+    return dev, host.astype(np.float64)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_sdpa_forward_matches_float64(case):
+    import cupy
+
+    import nvdnn
+    from nvdnn import dtypes
+    rng = np.random.default_rng()
+    b, hq, hkv, sq, sk, d = SHAPES[case["shape"]]
+    q, q64 = _array((b, hq, sq, d), case["dtype"], case["layout"], rng)
+    k, k64 = _array((b, hkv, sk, d), case["dtype"], case["layout"], rng)
+    v, v64 = _array((b, hkv, sk, d), case["dtype"], case["layout"], rng)
+    out = cupy.full((b, hq, sq, d), np.nan, dtype=dtypes.BY_NAME[case["dtype"]].np)
+    scale = 0.5 / np.sqrt(d) if case["shape"] == "d96" else None
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=case["causal"], scale=scale,
+                                                enable_gqa=hq != hkv, alignment=case["alignment"], return_lse=True,
+                                                out=out)
+    assert o is out
+    want, want_lse = nvdnn.reference.scaled_dot_product_attention(
+        q64, k64, v64, is_causal=case["causal"], scale=scale, enable_gqa=hq != hkv, alignment=case["alignment"],
+        return_lse=True)
+    got = cupy.asnumpy(o).astype(np.float64)
+    got_lse = cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(got).any(), f"{case}: NaN left in the output (rows not written)"
+    err = np.abs(got - want).max()
+    assert err <= TOL[case["dtype"]], f"{case}: max |o - ref| {err:.3g} > {TOL[case['dtype']]}"
+    empty = np.isneginf(want_lse)
+    assert (np.isneginf(got_lse) == empty).all(), f"{case}: rows with no key should have lse -inf, and only they"
+    lse_err = np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0)
+    assert lse_err <= 1e-3 * max(1.0, np.abs(want_lse[~empty]).max(initial=1.0)), f"{case}: lse error {lse_err:.3g}"
+
+
+def test_sdpa_torch_tensors_and_repeat_calls_match_torch():
+    torch = pytest.importorskip("torch")
+    import nvdnn
+    from nvdnn import callsite
+    q = torch.randn(2, 8, 333, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 333, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 333, 128, device="cuda", dtype=torch.bfloat16)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                            enable_gqa=True)
+    hits = callsite.STATS["hits"]
+    for _ in range(3):
+        o = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert isinstance(o, torch.Tensor) and o.shape == q.shape and o.dtype == q.dtype
+        assert (o.float() - want).abs().max().item() < 3e-2
+    assert callsite.STATS["hits"] >= hits + 2, "repeat calls should replay the recorded launch"
+
+
+def test_sdpa_without_keys_and_three_dim_inputs():
+    import cupy
+
+    import nvdnn
+    q = cupy.ones((4, 5, 64), dtype=cupy.float16)
+    k = cupy.ones((4, 0, 64), dtype=cupy.float16)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, k, return_lse=True)
+    assert o.shape == (4, 5, 64) and not cupy.asnumpy(o).any() and np.isneginf(cupy.asnumpy(lse)).all()
+    k = cupy.asarray(np.random.default_rng(1).uniform(-1, 1, (4, 9, 64)).astype(np.float16))
+    o = nvdnn.scaled_dot_product_attention(q, k, k)
+    want = nvdnn.reference.scaled_dot_product_attention(cupy.asnumpy(q).astype(np.float64),
+                                                        cupy.asnumpy(k).astype(np.float64),
+                                                        cupy.asnumpy(k).astype(np.float64))
+    assert o.shape == (4, 5, 64) and np.abs(cupy.asnumpy(o) - want).max() < 4e-3
+
+
+def test_graph_sdpa_executes_like_the_function():
+    import cupy
+
+    import nvdnn
+    g = nvdnn.Graph(io_data_type="float16", name="attn")
+    q = g.tensor(dims=[2, 8, 300, 128], name="q")
+    k = g.tensor(dims=[2, 2, 300, 128], name="k")
+    v = g.tensor(dims=[2, 2, 300, 128], name="v")
+    o, stats = g.sdpa(q, k, v, causal=True, name="sdpa")
+    o.set_output(True)
+    stats.set_output(True)
+    g.build()
+    rng = np.random.default_rng(7)
+    pack = {t.name: cupy.asarray(rng.uniform(-1, 1, t.dims).astype(np.float16)) for t in (q, k, v)}
+    pack[o.name] = cupy.full(o.dims, np.nan, np.float16)
+    pack[stats.name] = cupy.full(stats.dims, np.nan, np.float32)
+    g.execute(pack)
+    want, lse = nvdnn.scaled_dot_product_attention(pack["q"], pack["k"], pack["v"], is_causal=True, enable_gqa=True,
+                                                   return_lse=True)
+    assert cupy.array_equal(pack[o.name], want) and cupy.array_equal(pack[stats.name], lse)
