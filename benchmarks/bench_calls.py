@@ -33,7 +33,8 @@ from sweep import Arr, Case, first, input_sets, interleaved_us, kernel_us, requi
 import nvdnn  # noqa: E402
 
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
-             "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0}
+             "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0,
+             "nvdnn.functional_attention": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -250,6 +251,16 @@ def _conv2d_backward(size):
                                             False, [0, 0], 1, [True, True, True]))
 
 
+def _sdpa(size):
+    """Causal grouped-query attention, bf16 BHSD (nvdnn: one launch); PyTorch's SDPA, its own backend choice."""
+    b, hq, hkv, s, d = (1, 4, 2, 64, 64) if size == "small" else (2, 16, 4, 1024, 128)
+    q, k, v = Arr((b, hq, s, d), "bfloat16"), Arr((b, hkv, s, d), "bfloat16"), Arr((b, hkv, s, d), "bfloat16")
+    return Case("calls", "scaled_dot_product_attention", (q, k, v),
+                lambda n, q, k, v: partial(n.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True),
+                lambda t, q, k, v: partial(t.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                           enable_gqa=True))
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -261,7 +272,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
                  or (_matmul(size) if name == "matmul" else None)
                  or (_matmul_backward(size) if name == "matmul_backward" else None)
                  or (_conv2d(size) if name == "conv2d" else None)
-                 or (_conv2d_backward(size) if name == "conv2d_backward" else None)) for size in sizes]
+                 or (_conv2d_backward(size) if name == "conv2d_backward" else None)
+                 or (_sdpa(size) if name == "scaled_dot_product_attention" else None)) for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)
             continue

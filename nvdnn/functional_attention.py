@@ -8,7 +8,7 @@ import numpy as np
 
 from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
-from .errors import UnsupportedError, ValidationError
+from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
 from .functional_conv import _empty
 from .functional_matmul import _check_out, _operand
@@ -18,10 +18,19 @@ _PLANS: dict = {}
 _PLAN_LIMIT = 256
 
 
+# the reference's options the kernel does not take yet: each raises an UnsupportedError when given
+NOT_YET = ("window", "alibi_slopes", "softcap", "sinks", "seq_lens_q", "seq_lens_kv", "dropout_mask")
+
+
 @checks.remembered
-def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out) -> None:
+def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
+                    extras) -> None:
     """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
     device work, the same on every machine."""
+    for name, given in zip(NOT_YET, extras):
+        if given is not None:
+            raise UnsupportedError(f"{name}: the attention kernel does not take it yet; "
+                                   "nvdnn.reference.scaled_dot_product_attention computes it", arg=name)
     metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
     q, k, v = metas.values()
     for role, meta in metas.items():
@@ -41,8 +50,8 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     if k.shape[-1] != q.shape[-1]:
         raise ValidationError(f"key: head dim {k.shape[-1]} (dim -1) should equal query's {q.shape[-1]}", arg="key")
     if q.dtype not in family.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise UnsupportedError(f"query, key, value: data types {q.dtype}, {k.dtype}, {v.dtype}; the attention "
-                               f"kernel takes one of {', '.join(family.DTYPES)} for all three", arg="query")
+        raise DTypeError(f"query, key, value: data types {q.dtype}, {k.dtype}, {v.dtype}; the attention kernel "
+                         f"takes one of {', '.join(family.DTYPES)} for all three", arg="query")
     if v.shape[-1] != q.shape[-1] or q.shape[-1] > family.HEAD_TILES[-1] or q.shape[-1] % 8:
         raise UnsupportedError(f"value: head dims {q.shape[-1]} (query) and {v.shape[-1]} (value); the kernel takes "
                                f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
@@ -68,7 +77,9 @@ def _batched(x):
 
 @callsite.fast
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, alignment="top_left", return_lse=False, out=None, stream=None):
+                                 enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
+                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, dropout_mask=None,
+                                 return_lse=False, out=None, stream=None):
     """softmax(scale * query key^T [causal]) value in one kernel, PyTorch's meanings.
 
     query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) (or all without B), fp16 / bf16, in any
@@ -77,9 +88,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is kept for query i when j <= i (``alignment="top_left"``, PyTorch's) or j <= i + Sk - Sq
     ("bottom_right", FlashAttention's); a row with no key left gives zeros. The result is in
     query's layout (or written into ``out``); with ``return_lse`` also the rows' log-sum-exp
-    of the scaled scores, (B, Hq, Sq) float32, what a training forward saves.
+    of the scaled scores, (B, Hq, Sq) float32, what a training forward saves. The reference's
+    other options (``window`` ... ``dropout_mask``) are in the signature it will have and raise an
+    UnsupportedError until the kernel takes them.
     """
-    check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out)
+    check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
+                    (window, alibi_slopes, softcap, sinks, seq_lens_q, seq_lens_kv, dropout_mask))
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})

@@ -59,3 +59,13 @@ def check(y, ref, dtype: str, what: str = ""):
     bad = err > bound
     assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements off; worst error "
                            f"{err.max():.3g} (bound {bound[np.argmax(err - bound)]:.3g})")
+
+
+def laid_out(shape, dtype: str, order, rng):
+    """A uniform(-1, 1) device array of logical ``shape`` whose memory runs through its dims in
+    ``order`` (NHWC of NCHW dims: (0, 2, 3, 1)), and its exact value in float64."""
+    import cupy
+    host = rng.uniform(-1, 1, size=shape).astype(host_dtype(dtype))
+    order = tuple(order)
+    dev = cupy.asarray(np.ascontiguousarray(host.transpose(order))).transpose(np.argsort(order))
+    return dev, host.astype(np.float64)

@@ -32,6 +32,7 @@ def f32(*shape):
 
 
 X, ROW, C = f32(2, 4, 6, 6), f32(8, 16), f32(4)
+Q16 = f32(1, 4, 8, 64).astype(np.float16)  # (B, H, S, D)
 POS = np.abs(f32(2, 4, 6, 6)) + 1.0
 # a good call of every entry point: (args, kwargs); the first argument is the array the generic bad
 # cases replace
@@ -58,6 +59,7 @@ GOOD = {
     "softmax_backward": ((ROW, ROW), {}),
     "log_softmax_backward": ((ROW, ROW), {}),
     "cross_entropy": ((ROW, np.arange(8) % 16), {}),
+    "scaled_dot_product_attention": ((Q16, Q16, Q16), {}),
     "max_pool2d": ((X, 2), {}),
     "avg_pool2d": ((X, 2), {}),
     "global_avg_pool2d": ((X,), {}),
@@ -133,6 +135,9 @@ SPECIFIC = {
                         (("args", (f32(2, 4, 6, 6), X, f32(4, 2, 3, 3), 1, 1, 1, 2)), UnsupportedError,
                          ["groups > 1"]),
                         (("kwargs", {"out_dw": f32(3, 4, 3, 2)}), ValidationError, ["out_dw", "(3, 4, 3, 3)"])],
+    "scaled_dot_product_attention": [(("args", (Q16, Q16[:, :2], Q16[:, :2])), ValidationError, ["enable_gqa"]),
+                                     (("kwargs", {"attn_mask": f32(8, 8)}), UnsupportedError, ["attn_mask"]),
+                                     (("kwargs", {"alignment": "middle"}), ValidationError, ["alignment"])],
     "matmul_backward": [(("args", (f32(8, 9), ROW, f32(16, 8))), ValidationError, ["dy: shape (8, 9)", "a @ b"]),
                         (("kwargs", {"activation": "gelu"}), ValidationError, ["pre_activation", "gelu"]),
                         (("kwargs", {"bias": 1}), ValidationError, ["bias=1"]),

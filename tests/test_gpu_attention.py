@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import requires_gpu
+from .gpu import laid_out, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -35,15 +35,7 @@ CASES = [dict(shape=name, dtype=dtype, causal=causal, alignment=alignment, layou
 
 def _array(shape, dtype, layout, rng):
     """A device array of logical (B, H, S, D) ``shape`` in ``layout`` memory and its float64 value."""
-    import cupy
-
-    from nvdnn import dtypes
-    host = rng.uniform(-1, 1, size=shape).astype(dtypes.BY_NAME[dtype].np)
-    if layout == "BSHD":
-        dev = cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
-    else:
-        dev = cupy.asarray(host)
-    return dev, host.astype(np.float64)
+    return laid_out(shape, dtype, (0, 2, 1, 3) if layout == "BSHD" else (0, 1, 2, 3), rng)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import requires_gpu
+from .gpu import laid_out, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -50,15 +50,7 @@ CASES = [dict(layer=name, dtype=dt, precision=pr, layout=layout,
 
 def _array(shape, dtype, layout, rng):
     """A device array of logical (N, C, H, W) ``shape`` in ``layout`` memory, and its float64 value."""
-    import cupy
-
-    from nvdnn import dtypes
-    host = rng.uniform(-1, 1, size=shape).astype(dtypes.BY_NAME[dtype].np)
-    if layout == "NHWC":
-        dev = cupy.asarray(np.ascontiguousarray(host.transpose(0, 2, 3, 1))).transpose(0, 3, 1, 2)
-    else:
-        dev = cupy.asarray(host)
-    return dev, host.astype(np.float64)
+    return laid_out(shape, dtype, (0, 2, 3, 1) if layout == "NHWC" else range(len(shape)), rng)
 
 
 def _poisoned(shape, dtype, layout):

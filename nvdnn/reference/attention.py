@@ -131,15 +131,15 @@ def _dropped(p, dropout_p, dropout_mask):
     return p * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p) if dropout_p < 1 else np.zeros_like(p)
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
-                                 alignment="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None,
-                                 seq_lens_q=None, seq_lens_kv=None, dropout_p=0.0, dropout_mask=None,
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
+                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, dropout_mask=None,
                                  return_lse=False):
     """o (..., Hq, Sq, Dv) as the module docstring says; with ``return_lse`` also lse (..., Hq,
     Sq), the statistics a training forward saves. ``window``: (left, right) keys around i'
     (None or -1: unbounded); ``dropout_mask``: the kept entries (..., Hq, Sq, Sk), as the
     kernel's RNG drew them. Key / value heads fewer than q's need ``enable_gqa``, as in PyTorch."""
-    q, k, v = _f64(q), _f64(k), _f64(v)
+    q, k, v = _f64(query), _f64(key), _f64(value)
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, live, _ = _scores(q, k, groups, **_options(locals()))
     lse = _lse(s, allowed, live, sinks)
