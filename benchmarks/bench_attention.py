@@ -10,6 +10,7 @@ the geometric mean; ``--quick``: the first rows only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -80,10 +81,20 @@ def run(torch, nvdnn, name, b, hq, hkv, s, d, causal) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first four configurations only")
+    parser.add_argument("--tile", action="append", default=[], metavar="D:BN:STAGES",
+                        help="force the tile of a padded head dim (an experiment: keys a tile, ring stages)")
+    parser.add_argument("--grid", action="store_true", help="a block a work item instead of the persistent walk")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
     import nvdnn
+    from nvdnn.kernels import attention
+    for tile in args.tile:
+        d, bn, stages = (int(v) for v in tile.split(":"))
+        attention.DEFAULT_TILES[d] = (bn, stages)
+    if args.grid:
+        tile_for = attention.tile_for
+        attention.tile_for = lambda *a, **k: dataclasses.replace(tile_for(*a, **k), persistent=False)
     rows = []
     for config in CONFIGS[:4] if args.quick else CONFIGS:
         for causal in (False, True):

@@ -13,7 +13,7 @@ import pytest
 
 import nvdnn
 from nvdnn import codegen, compiler
-from nvdnn.errors import UnsupportedError, ValidationError
+from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import attention
 from nvdnn.kernels.attention import AttentionSpec
 from nvdnn.kernels.pointwise import Operand
@@ -54,13 +54,14 @@ def test_plan_reads_bshd_in_place_with_gqa_and_bottom_right_shift():
     k = _op((2, 2, 1500, 128), "BSHD")
     plan = attention.plan_sdpa(q, k, k, causal=True, alignment="bottom_right", lse=True)
     (launch,) = plan.launches
-    assert launch.grid == (16, 8, 1) and launch.block == (384, 1, 1) and launch.pointers == ("o", "q", "k", "v", "stats")
+    assert launch.grid == (16 * 8, 1, 1) and launch.block == (384, 1, 1) and launch.pointers == ("o", "q", "k", "v", "stats")
     tq, tk, tv = launch.args[:3]
     assert tq.dims == (128, 1000, 8, 2) and tq.strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
     assert tq.box == (64, 128, 1, 1) and tk.box == (64, 128, 1, 1) and tk.pointer == 2 and tv.pointer == 3
-    heads, groups, sq, sk, d, shift = (int(a) for a in launch.args[3:9])
-    assert (heads, groups, sq, sk, d, shift) == (8, 4, 1000, 1500, 128, 500)
-    assert math.isclose(float(launch.args[9]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)
+    heads, groups, sq, sk, d, shift, bhs, m_tiles = (int(a) for a in launch.args[3:11])
+    assert (heads, groups, sq, sk, d, shift, bhs, m_tiles) == (8, 4, 1000, 1500, 128, 500, 16, 8)
+    assert math.isclose(float(launch.args[11]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)
+    assert launch.spec.resident_cluster == 1  # persistent: the launch trims the grid to resident blocks
 
 
 def test_plan_refuses_layouts_no_tensor_map_reads():
@@ -127,7 +128,7 @@ def test_bad_arguments_raise_before_device_work(kwargs, error, match):
 
 def test_float32_inputs_are_named():
     q = np.zeros((1, 2, 8, 64), np.float32)
-    with pytest.raises(UnsupportedError, match="float16, bfloat16"):
+    with pytest.raises(DTypeError, match="float16, bfloat16"):
         nvdnn.scaled_dot_product_attention(q, q, q)
 
 

@@ -26,7 +26,7 @@ from .pointwise import Operand
 DTYPES = ("float16", "bfloat16")
 HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-byte) chunks
 KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
-REGISTERS = 184                        # O, S and P registers a consumer thread may hold (of 240)
+REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
@@ -36,11 +36,12 @@ DEFAULT_TILES = {64: (128, 3), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
 
 @dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
-    """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``; tensor maps of q, k, v;
-    then heads, groups, sq, sk, d, shift, scale_log2, o's batch / head / row strides."""
+    """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``;
+    tensor maps of q, k, v; then heads, groups, sq, sk, d, shift, bhs (B * Hq), m_tiles (query
+    tiles), scale_log2, o's batch / head / row strides."""
     family = "attention"
     template = "attention/forward.cu.j2"
-    tile_fields = ("bn", "stages", "consumers")
+    tile_fields = ("bn", "stages", "consumers", "persistent")
 
     dtype: str
     hd: int                 # HEAD_TILES: the head dim rounded up to 64 columns
@@ -49,6 +50,7 @@ class AttentionSpec(KernelSpec):
     bn: int = 128           # keys a tile
     stages: int = 2         # K / V tiles in flight
     consumers: int = 2      # warpgroups of 64 query rows each
+    persistent: bool = True  # a block a multiprocessor walking the work items (False: a block each)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -58,6 +60,7 @@ class AttentionSpec(KernelSpec):
         one_of(self.bn, KEY_TILES, "bn")
         one_of(self.stages, (2, 3, 4), "stages")
         one_of(self.consumers, (1, 2), "consumers")
+        one_of(self.persistent, (False, True), "persistent")
         held = self.hd // 2 + self.bn // 2 + self.bn // 4
         if held > REGISTERS:
             raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
@@ -77,12 +80,16 @@ class AttentionSpec(KernelSpec):
     @property
     def smem_bytes(self) -> int:
         """Q's tile, the K and V ring, the barriers, and 1 KB to align the swizzled tiles."""
-        return 1024 + (self.bm + 2 * self.stages * self.bn) * self.hd * 2 + 8 * (1 + 3 * self.stages)
+        return 1024 + (self.bm + 2 * self.stages * self.bn) * self.hd * 2 + 8 * (2 + 3 * self.stages)
+
+    @property
+    def resident_cluster(self) -> int:
+        return 1 if self.persistent else 0
 
     @property
     def uri(self) -> str:
         return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
-                + ("/lse" if self.lse else "") + f"/{self.bm}x{self.bn}s{self.stages}")
+                + ("/lse" if self.lse else "") + f"/{self.bm}x{self.bn}s{self.stages}" + ("" if self.persistent else "/grid"))
 
     @property
     def entry(self) -> str:
@@ -98,7 +105,8 @@ class AttentionSpec(KernelSpec):
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
                 + (["float* __restrict__ lse"] if self.lse else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
-                + ["int heads", "int groups", "int sq", "int sk", "int d", "int shift", "float scale_log2",
+                + ["int heads", "int groups", "int sq", "int sk", "int d", "int shift", "int bhs", "int m_tiles",
+                   "float scale_log2",
                    "long long o_sb", "long long o_sh", "long long o_ss"]}
 
 
@@ -195,10 +203,14 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
     shift = sk - sq if causal and alignment == "bottom_right" else 0
+    m_tiles = -(-sq // spec.bm)
     args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
-            *(np.int32(x) for x in (hq, groups, sq, sk, d, shift)), np.float32(scale * math.log2(math.e)),
-            *(np.int64(x) for x in o_strides[:3]))
-    grid = (b * hq, -(-sq // spec.bm), 1)
+            *(np.int32(x) for x in (hq, groups, sq, sk, d, shift, b * hq, m_tiles)),
+            np.float32(scale * math.log2(math.e)), *(np.int64(x) for x in o_strides[:3]))
+    if b * hq * m_tiles >= 2 ** 31:
+        raise UnsupportedError(f"query: {b * hq * m_tiles} tiles of {spec.bm} rows are past the kernel's 2^31",
+                               arg="query")
+    grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
     pointers = ("o", "q", "k", "v") + (("stats",) if lse else ())
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 
