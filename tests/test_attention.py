@@ -57,7 +57,7 @@ def test_plan_reads_bshd_in_place_with_gqa_and_bottom_right_shift():
     assert launch.grid == (16 * 8, 1, 1) and launch.block == (384, 1, 1) and launch.pointers == ("o", "q", "k", "v", "stats")
     tq, tk, tv = launch.args[:3]
     assert tq.dims == (128, 1000, 8, 2) and tq.strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
-    assert tq.box == (64, 128, 1, 1) and tk.box == (64, 128, 1, 1) and tk.pointer == 2 and tv.pointer == 3
+    assert tq.box == (64, 128, 1, 1) and tk.box == (64, 176, 1, 1) and tk.pointer == 2 and tv.pointer == 3
     heads, groups, sq, sk, d, shift, bhs, m_tiles = (int(a) for a in launch.args[3:11])
     assert (heads, groups, sq, sk, d, shift, bhs, m_tiles) == (8, 4, 1000, 1500, 128, 500, 16, 8)
     assert math.isclose(float(launch.args[11]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)

@@ -31,7 +31,7 @@ ALIGNMENTS = ("top_left", "bottom_right")
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 # (keys a tile, ring stages) by padded head dim: as many keys as O, S and P leave registers for
-DEFAULT_TILES = {64: (128, 3), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
+DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (80, 2)}
 
 
 @dataclass(frozen=True)
