@@ -6,8 +6,10 @@ fused epilogue, and the whole preset compiled for the archs that run it: no spil
 QGMMA in the Hopper SASS, no local-memory traffic."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import re
 import subprocess
 
@@ -468,13 +470,18 @@ def test_hopper_sass_has_warpgroup_mma_and_no_local_memory(warmed, tmp_path):
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
+    entries = [(uri, arch, e) for (uri, arch), e in sorted(warmed["entries"].items())
+               if e.meta["family"] in ("matmul", "matmul_skinny")]
+
+    def dump(entry):  # one cuobjdump process a cubin, as many at once as there are cores
+        path = tmp_path / f"{entry[2].key}.cubin"
+        path.write_bytes(entry[2].cubin)
+        return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        dumps = list(pool.map(dump, entries))
     seen = set()
-    for (uri, arch), e in sorted(warmed["entries"].items()):
-        if e.meta["family"] not in ("matmul", "matmul_skinny"):
-            continue
-        path = tmp_path / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+    for (uri, arch, e), sass in zip(entries, dumps):
         assert " STL" not in sass and " LDL" not in sass, f"{uri} [{arch}] uses local memory"
         fields = e.meta["spec"]["fields"]
         if e.meta["family"] == "matmul_skinny":
