@@ -69,3 +69,11 @@ def laid_out(shape, dtype: str, order, rng):
     order = tuple(order)
     dev = cupy.asarray(np.ascontiguousarray(host.transpose(order))).transpose(np.argsort(order))
     return dev, host.astype(np.float64)
+
+
+def poison_next_allocation(nbytes: int) -> None:
+    """NaN bits in the block CuPy's pool hands out next for ``nbytes``: an output a call allocates
+    itself (not through ``out=``) then starts poisoned too, so a row it never writes shows."""
+    import cupy
+    block = cupy.full(-(-nbytes // 4), np.nan, np.float32)
+    del block  # back to the pool, which gives a freed block of the size to the next request

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import laid_out, requires_gpu
+from .gpu import laid_out, poison_next_allocation, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -51,6 +51,7 @@ def test_sdpa_forward_matches_float64(case):
     v, v64 = _array((b, hkv, sk, d), case["dtype"], case["layout"], rng)
     out = cupy.full((b, hq, sq, d), np.nan, dtype=dtypes.BY_NAME[case["dtype"]].np)
     scale = 0.5 / np.sqrt(d) if case["shape"] == "d96" else None
+    poison_next_allocation(b * hq * sq * 4)  # lse, which the call allocates
     o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=case["causal"], scale=scale,
                                                 enable_gqa=hq != hkv, alignment=case["alignment"], return_lse=True,
                                                 out=out)
@@ -80,6 +81,7 @@ def test_sdpa_torch_tensors_and_repeat_calls_match_torch():
                                                             enable_gqa=True)
     hits = callsite.STATS["hits"]
     for _ in range(3):
+        torch.full_like(q, float("nan"))  # freed at once: torch's allocator hands its block to o
         o = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         assert isinstance(o, torch.Tensor) and o.shape == q.shape and o.dtype == q.dtype
         assert (o.float() - want).abs().max().item() < 3e-2
@@ -92,9 +94,11 @@ def test_sdpa_without_keys_and_three_dim_inputs():
     import nvdnn
     q = cupy.ones((4, 5, 64), dtype=cupy.float16)
     k = cupy.ones((4, 0, 64), dtype=cupy.float16)
+    poison_next_allocation(4 * 5 * 64 * 2)
     o, lse = nvdnn.scaled_dot_product_attention(q, k, k, return_lse=True)
     assert o.shape == (4, 5, 64) and not cupy.asnumpy(o).any() and np.isneginf(cupy.asnumpy(lse)).all()
     k = cupy.asarray(np.random.default_rng(1).uniform(-1, 1, (4, 9, 64)).astype(np.float16))
+    poison_next_allocation(4 * 5 * 64 * 2)
     o = nvdnn.scaled_dot_product_attention(q, k, k)
     want = nvdnn.reference.scaled_dot_product_attention(cupy.asnumpy(q).astype(np.float64),
                                                         cupy.asnumpy(k).astype(np.float64),

@@ -10,6 +10,7 @@ scores, is written when the plan asks for it (a training forward's statistics).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -221,7 +222,7 @@ def candidates(spec: AttentionSpec) -> list:
     for bn in (64, 96, 128, 176):
         for stages in (2, 3):
             try:
-                found.append(AttentionSpec(spec.dtype, spec.hd, spec.causal, spec.lse, bn, stages, spec.consumers))
+                found.append(dataclasses.replace(spec, bn=bn, stages=stages))
             except ValidationError:
                 pass
     return found
