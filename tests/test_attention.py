@@ -162,3 +162,19 @@ def test_graph_sdpa_names_bad_heads():
     q, k = g.tensor(dims=[1, 6, 8, 64], name="q"), g.tensor(dims=[1, 4, 8, 64], name="k")
     with pytest.raises(ValidationError, match="'k' has 4 heads"):
         g.sdpa(q, k, k)
+
+
+@pytest.mark.parametrize("hd,causal", [(128, False), (64, True)])
+def test_the_loops_softmax_runs_between_its_two_waits(hd, causal, tmp_path):
+    """Intra-warpgroup overlap, read from SASS: every exponential of the loop's softmax (one a score
+    and one a row's correction, two rows a thread) sits after the wait for S (DEPBAR.LE 1) and
+    before the wait for P V (DEPBAR.LE 0), so the softmax runs while P V does. ptxas hoists a
+    wait to the top of its basic block: with the softmax in the wait's block, they ran after it."""
+    import re
+    spec = attention.tile_for("bfloat16", hd, 4096, causal=causal, lse=True)
+    sass, _ = _sass(spec, tmp_path)
+    marks = ["wait1" if m[0] == "1" else "wait0" if m[0] == "0" else "exp"
+             for m in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([01])|(MUFU\.EX2)", sass)]
+    first = marks.index("wait1")
+    between = marks[first + 1:marks.index("wait0", first)]
+    assert between == ["exp"] * (spec.bn // 2 + 2)
