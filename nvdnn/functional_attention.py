@@ -19,12 +19,12 @@ _PLAN_LIMIT = 256
 
 
 # the reference's options the kernel does not take yet: each raises an UnsupportedError when given
-NOT_YET = ("window", "alibi_slopes", "softcap", "sinks", "seq_lens_q", "seq_lens_kv", "dropout_mask")
+NOT_YET = ("alibi_slopes", "dropout_mask")
 
 
 @checks.remembered
 def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    extras) -> None:
+                    extras, window, softcap, sinks, seq_lens_q, seq_lens_kv) -> None:
     """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
     device work, the same on every machine."""
     for name, given in zip(NOT_YET, extras):
@@ -66,8 +66,44 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                               or not math.isfinite(scale)):
         raise ValidationError(f"scale: {scale!r}; a finite number, or None for 1 / sqrt(head dim)", arg="scale")
     checks.choice(dict.fromkeys(family.ALIGNMENTS), alignment, "alignment")
+    _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, q.shape[-3], q.shape[0] if len(q.shape) == 4 else 1)
     if out is not None and checks.describe(out, "out").shape != q.shape:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {q.shape}", arg="out")
+
+
+def _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, heads: int, batch: int) -> None:
+    """The sliding window, the soft cap, the sinks (one a query head) and the lengths (one a sequence)."""
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            side is None or (type(side) is int and side >= -1) for side in window)):
+        raise ValidationError(f"window: {window!r}; (left, right), the keys kept before and after each query's "
+                              "diagonal position, ints >= 0 (-1 or None: unbounded)", arg="window")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValidationError(f"softcap: {softcap!r}; a finite number > 0 (scores become cap * tanh(s / cap))",
+                              arg="softcap")
+    for name, x, count, kinds in (("sinks", sinks, heads, ("float16", "bfloat16", "float32", "float64")),
+                                  ("seq_lens_q", seq_lens_q, batch, ("int32", "int64")),
+                                  ("seq_lens_kv", seq_lens_kv, batch, ("int32", "int64"))):
+        if x is None:
+            continue
+        meta = checks.describe(x, name)
+        if meta.shape != (count,):
+            raise ValidationError(f"{name}: shape {meta.shape}; needs ({count},), one value a "
+                                  f"{'query head' if name == 'sinks' else 'sequence'}", arg=name)
+        if meta.dtype is not None and meta.dtype not in kinds:
+            raise DTypeError(f"{name}: data type {meta.dtype}; takes {', '.join(kinds)}", arg=name)
+
+
+def _vector(cp, x, kind, name: str):
+    """A small argument (sinks, lengths) as a contiguous device vector of ``kind``, in place when
+    it is one already (a converted one is device work a replay would not repeat)."""
+    if type(x) is cp.ndarray and x.dtype == kind and x.flags.c_contiguous:
+        return x
+    dev = arrays.to_device(x, name)[0]
+    if dev.dtype != kind or not dev.flags.c_contiguous:
+        callsite.refuse(f"{name} converted to {np.dtype(kind).name}")
+        dev = cp.ascontiguousarray(dev, dtype=kind)
+    return dev
 
 
 def _batched(x):
@@ -86,14 +122,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     strides with a contiguous head dim (BHSD and BSHD memory read in place; others are copied);
     Hkv divides Hq with ``enable_gqa``. ``scale``: 1 / sqrt(D) by default. ``is_causal``: key j
     is kept for query i when j <= i (``alignment="top_left"``, PyTorch's) or j <= i + Sk - Sq
-    ("bottom_right", FlashAttention's); a row with no key left gives zeros. The result is in
-    query's layout (or written into ``out``); with ``return_lse`` also the rows' log-sum-exp
-    of the scaled scores, (B, Hq, Sq) float32, what a training forward saves. The reference's
-    other options (``window`` ... ``dropout_mask``) are in the signature it will have and raise an
-    UnsupportedError until the kernel takes them.
+    ("bottom_right", FlashAttention's); a row with no key left gives zeros. ``window``: (left,
+    right) keys kept around that diagonal position (sliding-window attention); ``softcap``:
+    scores become cap * tanh(s / cap); ``sinks``: a logit per query head that joins each row's
+    sum with no value; ``seq_lens_q`` / ``seq_lens_kv``: each sequence's lengths in a padded
+    batch (rows past a query length give zeros). The result is in query's layout (or written
+    into ``out``); with ``return_lse`` also the rows' log-sum-exp of the scaled scores, (B, Hq,
+    Sq) float32, what a training forward saves. ``alibi_slopes`` and ``dropout_mask`` (the
+    reference's) raise an UnsupportedError until the kernel takes them.
     """
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    (window, alibi_slopes, softcap, sinks, seq_lens_q, seq_lens_kv, dropout_mask))
+                    (alibi_slopes, dropout_mask), window, softcap, sinks, seq_lens_q, seq_lens_kv)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})
@@ -112,9 +151,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     o = out_dev if out_dev is not None else _empty(cp, dims, ops["q"].strides, kind)
     o_strides = tuple(s // o.itemsize for s in o.strides)
     lse = cp.empty(dims[:3], np.float32) if return_lse else None
+    extra = {}
+    if sinks is not None:
+        extra["sinks"] = _vector(cp, sinks, np.float32, "sinks")
+    if seq_lens_q is not None or seq_lens_kv is not None:
+        for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, ops["k"].shape[2])):
+            if given is None:
+                callsite.refuse(f"{name} made in full")
+                extra[name] = cp.full(dims[0], full, np.int32)
+            else:
+                extra[name] = _vector(cp, given, np.int32, name)
+    options = dict(window=None if window is None else tuple(window), softcap=None if softcap is None else float(softcap),
+                   sinks="sinks" in extra, lens="seq_lens_q" in extra)
     if math.prod(dims) and ops["k"].shape[2]:
         key = (device, tuple((r, _signature(a)) for r, a in xs.items()), o_strides, bool(is_causal), alignment,
-               None if scale is None else float(scale), bool(return_lse))
+               None if scale is None else float(scale), bool(return_lse), tuple(options.items()))
         plan = _PLANS.get(key)
         if plan is None:
             from .compiler import device_arch
@@ -122,16 +173,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             if reason:
                 raise UnsupportedError(f"scaled_dot_product_attention: {reason}")
             plan = family.plan_sdpa(ops["q"], ops["k"], ops["v"], causal=bool(is_causal), alignment=alignment,
-                                    scale=scale, lse=bool(return_lse), o_strides=o_strides)
+                                    scale=scale, lse=bool(return_lse), o_strides=o_strides, **options)
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
-        launcher.run(plan, {**xs, "o": o, **({"stats": lse} if lse is not None else {})}, stream=stream)
-    elif math.prod(dims):  # no keys: every row is empty
+        launcher.run(plan, {**xs, **extra, "o": o, **({"stats": lse} if lse is not None else {})}, stream=stream)
+    elif math.prod(dims):  # no keys: every row is empty (with sinks: the sink alone, lse = the sink)
         callsite.refuse("no keys: filled without a kernel")
         o[...] = 0
         if lse is not None:
-            lse[...] = -np.inf
+            lse[...] = extra["sinks"][None, :, None] if "sinks" in extra else -np.inf
     if len(query.shape) == 3:
         o, lse = o[0], None if lse is None else lse[0]
     if out is not None:

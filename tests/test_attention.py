@@ -58,10 +58,23 @@ def test_plan_reads_bshd_in_place_with_gqa_and_bottom_right_shift():
     tq, tk, tv = launch.args[:3]
     assert tq.dims == (128, 1000, 8, 2) and tq.strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
     assert tq.box == (64, 128, 1, 1) and tk.box == (64, 176, 1, 1) and tk.pointer == 2 and tv.pointer == 3
-    heads, groups, sq, sk, d, shift, bhs, m_tiles = (int(a) for a in launch.args[3:11])
-    assert (heads, groups, sq, sk, d, shift, bhs, m_tiles) == (8, 4, 1000, 1500, 128, 500, 16, 8)
-    assert math.isclose(float(launch.args[11]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)
+    heads, groups, sq, sk, d, bottom_right, left, right, bhs, m_tiles = (int(a) for a in launch.args[3:13])
+    assert (heads, groups, sq, sk, d, bottom_right, right, bhs, m_tiles) == (8, 4, 1000, 1500, 128, 1, 0, 16, 8)
+    assert left == attention.UNBOUNDED  # causal: keys up to the diagonal, none cut before it
+    assert math.isclose(float(launch.args[13]), math.log2(math.e) / math.sqrt(128), rel_tol=1e-6)
     assert launch.spec.resident_cluster == 1  # persistent: the launch trims the grid to resident blocks
+
+
+def test_plan_takes_the_features_pointers_and_scalars():
+    q = _op((2, 8, 100, 64))
+    plan = attention.plan_sdpa(q, q, q, window=(16, -1), softcap=30.0, sinks=True, lens=True, lse=True)
+    (launch,) = plan.launches
+    assert launch.spec.uri == "attention/fwd/bf16/d64/window/softcap/sinks/lens/lse/128x128s3"
+    assert launch.pointers == ("o", "q", "k", "v", "stats", "seq_lens_q", "seq_lens_kv", "sinks")
+    left, right = (int(a) for a in launch.args[9:11])
+    assert (left, right) == (16, attention.UNBOUNDED)
+    cap_in, cap_out = (float(a) for a in launch.args[14:16])
+    assert math.isclose(cap_in, 1 / 8 / 30, rel_tol=1e-6) and math.isclose(cap_out, 30 * math.log2(math.e), rel_tol=1e-6)
 
 
 def test_plan_refuses_layouts_no_tensor_map_reads():

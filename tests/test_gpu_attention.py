@@ -126,3 +126,45 @@ def test_graph_sdpa_executes_like_the_function():
     want, lse = nvdnn.scaled_dot_product_attention(pack["q"], pack["k"], pack["v"], is_causal=True, enable_gqa=True,
                                                    return_lse=True)
     assert cupy.array_equal(pack[o.name], want) and cupy.array_equal(pack[stats.name], lse)
+
+
+FEATURES = {  # name: (scaled_dot_product_attention keywords, with seq_lens as host lists)
+    "window": dict(window=(37, 5)),
+    "window_causal_bottom_right": dict(window=(100, None), is_causal=True, alignment="bottom_right"),
+    "softcap": dict(softcap=2.5),
+    "sinks": dict(sinks=[0.5, -3.0, 9.0, 0.0]),
+    "lens": dict(seq_lens_q=[200, 1, 0], seq_lens_kv=[333, 129, 7]),
+    "lens_causal_bottom_right": dict(seq_lens_q=[150, 17, 200], seq_lens_kv=[333, 16, 1], is_causal=True,
+                                     alignment="bottom_right"),
+    "everything": dict(window=(64, 0), softcap=30.0, sinks=[1.0, 2.0, 3.0, 4.0], seq_lens_kv=[300, 64, 333],
+                       is_causal=True),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", FEATURES)
+def test_sdpa_features_match_float64(name, d):
+    import cupy
+
+    import nvdnn
+    rng = np.random.default_rng()
+    b, hq, hkv, sq, sk = 3, 4, 2, 200, 333
+    q, q64 = _array((b, hq, sq, d), "bfloat16", "BSHD", rng)
+    k, k64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
+    v, v64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
+    options = dict(FEATURES[name])
+    device = {key: cupy.asarray(np.asarray(value, np.int32 if key.startswith("seq") else np.float32))
+              if isinstance(value, list) else value for key, value in options.items()}
+    out = cupy.full((b, hq, sq, d), np.nan, dtype=q.dtype)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, out=out, **device)
+    host = {key: np.asarray(value) if isinstance(value, list) else value for key, value in options.items()}
+    want, want_lse = nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, enable_gqa=True, return_lse=True,
+                                                                  **host)
+    got, got_lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(got).any(), f"{name}: NaN left in the output"
+    err = np.abs(got - want).max()
+    assert err <= TOL["bfloat16"], f"{name}: max |o - ref| {err:.3g}"
+    empty = np.isneginf(want_lse)
+    assert (np.isneginf(got_lse) == empty).all(), f"{name}: rows with no key should have lse -inf, and only they"
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse).max(
+        where=~empty, initial=1.0)), name

@@ -29,17 +29,22 @@ HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-by
 KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
 REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
+FEATURES = ("window", "softcap", "sinks", "lens")  # the spec's flags beyond causal, in uri order
+UNBOUNDED = 1 << 29                                 # a window side that keeps every key
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 # (keys a tile, ring stages) by padded head dim: as many keys as O, S and P leave registers for
-DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (80, 2)}
+DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (64, 2)}
 
 
 @dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
-    """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``;
-    tensor maps of q, k, v; then heads, groups, sq, sk, d, shift, bhs (B * Hq), m_tiles (query
-    tiles), scale_log2, o's batch / head / row strides."""
+    """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``,
+    seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, sinks (float32, one a query
+    head) with ``sinks``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
+    win_left, win_right (keys kept: [i' - left, i' + right]), bhs (B * Hq), m_tiles (query
+    tiles), scale_log2, with ``softcap`` cap_in (scale / cap) and cap_out (cap * log2(e)), and o's
+    batch / head / row strides."""
     family = "attention"
     template = "attention/forward.cu.j2"
     tile_fields = ("bn", "stages", "consumers", "persistent")
@@ -52,6 +57,10 @@ class AttentionSpec(KernelSpec):
     stages: int = 2         # K / V tiles in flight
     consumers: int = 2      # warpgroups of 64 query rows each
     persistent: bool = True  # a block a multiprocessor walking the work items (False: a block each)
+    window: bool = False     # keys kept per row in [i' - left, i' + right] (sliding-window attention)
+    softcap: bool = False    # scores soft-capped: cap * tanh(s / cap)
+    sinks: bool = False      # a logit per query head joins each row's sum, with no value
+    lens: bool = False       # per-batch query and key lengths (padded sequences)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -62,6 +71,8 @@ class AttentionSpec(KernelSpec):
         one_of(self.stages, (2, 3, 4), "stages")
         one_of(self.consumers, (1, 2), "consumers")
         one_of(self.persistent, (False, True), "persistent")
+        for name in FEATURES:
+            one_of(getattr(self, name), (False, True), name)
         held = self.hd // 2 + self.bn // 2 + self.bn // 4
         if held > REGISTERS:
             raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
@@ -90,7 +101,8 @@ class AttentionSpec(KernelSpec):
     @property
     def uri(self) -> str:
         return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
-                + ("/lse" if self.lse else "") + f"/{self.bm}x{self.bn}s{self.stages}" + ("" if self.persistent else "/grid"))
+                + "".join(f"/{name}" for name in FEATURES if getattr(self, name)) + ("/lse" if self.lse else "")
+                + f"/{self.bm}x{self.bn}s{self.stages}" + ("" if self.persistent else "/grid"))
 
     @property
     def entry(self) -> str:
@@ -103,11 +115,15 @@ class AttentionSpec(KernelSpec):
         io = "const io_t* __restrict__ "
         return {"io_t": _CTYPE[self.dtype], "kind": _PTX[self.dtype], "hd": self.hd, "bn": self.bn,
                 "stages": self.stages, "consumers": self.consumers, "causal": self.causal, "lse": self.lse,
+                "ranged": self.causal or self.window, **{name: getattr(self, name) for name in FEATURES},
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
                 + (["float* __restrict__ lse"] if self.lse else [])
+                + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
+                + (["const float* __restrict__ sinks"] if self.sinks else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
-                + ["int heads", "int groups", "int sq", "int sk", "int d", "int shift", "int bhs", "int m_tiles",
-                   "float scale_log2",
+                + ["int heads", "int groups", "int sq", "int sk", "int d", "int bottom_right", "int win_left",
+                   "int win_right", "int bhs", "int m_tiles", "float scale_log2"]
+                + (["float cap_in", "float cap_out"] if self.softcap else []) + [
                    "long long o_sb", "long long o_sh", "long long o_ss"]}
 
 
@@ -127,12 +143,12 @@ def head_tile(d: int) -> int:
     return -(-d // 64) * 64
 
 
-def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool) -> AttentionSpec:
+def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool, **features) -> AttentionSpec:
     """The default tile: two warpgroups of 64 rows (one for a query of at most 64 rows), the keys
     a tile DEFAULT_TILES gives the head dim."""
     hd = head_tile(d)
     bn, stages = DEFAULT_TILES[hd]
-    return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2)
+    return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2, **features)
 
 
 def unreadable(op: Operand, role: str) -> str | None:
@@ -189,9 +205,12 @@ def check(q: Operand, k: Operand, v: Operand) -> int:
 
 def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, alignment: str = "top_left",
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
-              spec: AttentionSpec | None = None) -> Plan:
+              spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
+              sinks: bool = False, lens: bool = False) -> Plan:
     """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
-    ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes."""
+    ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes.
+    ``window``: (left, right) keys kept around i' (None or -1: unbounded); ``softcap``: a
+    positive cap; ``sinks`` / ``lens``: the plan takes those pointers (nvdnn.reference's meanings)."""
     groups = check(q, k, v)
     for role, op in (("query", q), ("key", k), ("value", v)):
         reason = unreadable(op, role)
@@ -200,19 +219,24 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     one_of(alignment, ALIGNMENTS, "alignment")
     b, hq, sq, d = q.shape
     sk = k.shape[2]
-    spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse)
+    left, right = (UNBOUNDED if side is None or side < 0 else int(side) for side in (window or (None, None)))
+    right = min(right, 0) if causal else right
+    spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse, window=window is not None,
+                            softcap=softcap is not None, sinks=sinks, lens=lens)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
-    shift = sk - sq if causal and alignment == "bottom_right" else 0
     m_tiles = -(-sq // spec.bm)
     args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
-            *(np.int32(x) for x in (hq, groups, sq, sk, d, shift, b * hq, m_tiles)),
-            np.float32(scale * math.log2(math.e)), *(np.int64(x) for x in o_strides[:3]))
+            *(np.int32(x) for x in (hq, groups, sq, sk, d, alignment == "bottom_right", left, right, b * hq, m_tiles)),
+            np.float32(scale * math.log2(math.e)),
+            *((np.float32(scale / softcap), np.float32(softcap * math.log2(math.e))) if softcap is not None else ()),
+            *(np.int64(x) for x in o_strides[:3]))
     if b * hq * m_tiles >= 2 ** 31:
         raise UnsupportedError(f"query: {b * hq * m_tiles} tiles of {spec.bm} rows are past the kernel's 2^31",
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
-    pointers = ("o", "q", "k", "v") + (("stats",) if lse else ())
+    pointers = (("o", "q", "k", "v") + (("stats",) if lse else ()) + (("seq_lens_q", "seq_lens_kv") if lens else ())
+                + (("sinks",) if sinks else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 
 

@@ -28,6 +28,11 @@ __device__ __forceinline__ float exp2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float tanh_approx(float x) {  // ~2^-11 relative: for 16-bit-input scores
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 // For 16-bit outputs (rounding error 2^-9 or more): Phi(x) from Abramowitz & Stegun 7.1.26,
 // erfc(z) = t * poly(t) * exp(-z^2), absolute error below 1.5e-7, with the 1/2 of Phi folded
 // into the coefficients and the 1/sqrt(2) of z = |x| / sqrt(2) into p's: about 15 instructions
