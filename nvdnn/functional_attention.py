@@ -19,12 +19,12 @@ _PLAN_LIMIT = 256
 
 
 # the reference's options the kernel does not take yet: each raises an UnsupportedError when given
-NOT_YET = ("alibi_slopes", "dropout_mask")
+NOT_YET = ("dropout_mask",)
 
 
 @checks.remembered
 def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    extras, window, softcap, sinks, seq_lens_q, seq_lens_kv) -> None:
+                    extras, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv) -> None:
     """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
     device work, the same on every machine."""
     for name, given in zip(NOT_YET, extras):
@@ -66,13 +66,15 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                               or not math.isfinite(scale)):
         raise ValidationError(f"scale: {scale!r}; a finite number, or None for 1 / sqrt(head dim)", arg="scale")
     checks.choice(dict.fromkeys(family.ALIGNMENTS), alignment, "alignment")
-    _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, q.shape[-3], q.shape[0] if len(q.shape) == 4 else 1)
+    _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, q.shape[-3],
+                   q.shape[0] if len(q.shape) == 4 else 1)
     if out is not None and checks.describe(out, "out").shape != q.shape:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {q.shape}", arg="out")
 
 
-def _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, heads: int, batch: int) -> None:
-    """The sliding window, the soft cap, the sinks (one a query head) and the lengths (one a sequence)."""
+def _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, heads: int, batch: int) -> None:
+    """The sliding window, the soft cap, the ALiBi slopes and sinks (one a query head) and the
+    lengths (one a sequence)."""
     if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
             side is None or (type(side) is int and side >= -1) for side in window)):
         raise ValidationError(f"window: {window!r}; (left, right), the keys kept before and after each query's "
@@ -81,7 +83,8 @@ def _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, heads: int, 
                                 or not math.isfinite(softcap) or softcap <= 0):
         raise ValidationError(f"softcap: {softcap!r}; a finite number > 0 (scores become cap * tanh(s / cap))",
                               arg="softcap")
-    for name, x, count, kinds in (("sinks", sinks, heads, ("float16", "bfloat16", "float32", "float64")),
+    floats = ("float16", "bfloat16", "float32", "float64")
+    for name, x, count, kinds in (("alibi_slopes", alibi_slopes, heads, floats), ("sinks", sinks, heads, floats),
                                   ("seq_lens_q", seq_lens_q, batch, ("int32", "int64")),
                                   ("seq_lens_kv", seq_lens_kv, batch, ("int32", "int64"))):
         if x is None:
@@ -89,7 +92,7 @@ def _check_options(window, softcap, sinks, seq_lens_q, seq_lens_kv, heads: int, 
         meta = checks.describe(x, name)
         if meta.shape != (count,):
             raise ValidationError(f"{name}: shape {meta.shape}; needs ({count},), one value a "
-                                  f"{'query head' if name == 'sinks' else 'sequence'}", arg=name)
+                                  f"{'sequence' if name.startswith('seq') else 'query head'}", arg=name)
         if meta.dtype is not None and meta.dtype not in kinds:
             raise DTypeError(f"{name}: data type {meta.dtype}; takes {', '.join(kinds)}", arg=name)
 
@@ -128,11 +131,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     sum with no value; ``seq_lens_q`` / ``seq_lens_kv``: each sequence's lengths in a padded
     batch (rows past a query length give zeros). The result is in query's layout (or written
     into ``out``); with ``return_lse`` also the rows' log-sum-exp of the scaled scores, (B, Hq,
-    Sq) float32, what a training forward saves. ``alibi_slopes`` and ``dropout_mask`` (the
-    reference's) raise an UnsupportedError until the kernel takes them.
+    Sq) float32, what a training forward saves. ``alibi_slopes`` (one a query head): scores get
+    -slope * |i' - j|. ``dropout_mask`` (the reference's) raises an UnsupportedError until the
+    kernel draws its own.
     """
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    (alibi_slopes, dropout_mask), window, softcap, sinks, seq_lens_q, seq_lens_kv)
+                    (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})
@@ -152,8 +156,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     o_strides = tuple(s // o.itemsize for s in o.strides)
     lse = cp.empty(dims[:3], np.float32) if return_lse else None
     extra = {}
-    if sinks is not None:
-        extra["sinks"] = _vector(cp, sinks, np.float32, "sinks")
+    for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if given is not None:
+            extra[name] = _vector(cp, given, np.float32, name)
     if seq_lens_q is not None or seq_lens_kv is not None:
         for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, ops["k"].shape[2])):
             if given is None:
@@ -162,7 +167,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             else:
                 extra[name] = _vector(cp, given, np.int32, name)
     options = dict(window=None if window is None else tuple(window), softcap=None if softcap is None else float(softcap),
-                   sinks="sinks" in extra, lens="seq_lens_q" in extra)
+                   alibi="alibi_slopes" in extra, sinks="sinks" in extra, lens="seq_lens_q" in extra)
     if math.prod(dims) and ops["k"].shape[2]:
         key = (device, tuple((r, _signature(a)) for r, a in xs.items()), o_strides, bool(is_causal), alignment,
                None if scale is None else float(scale), bool(return_lse), tuple(options.items()))

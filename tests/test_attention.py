@@ -191,3 +191,17 @@ def test_the_loops_softmax_runs_between_its_two_waits(hd, causal, tmp_path):
     first = marks.index("wait1")
     between = marks[first + 1:marks.index("wait0", first)]
     assert between == ["exp"] * (spec.bn // 2 + 2)
+
+
+@pytest.mark.parametrize("hd,features", [
+    (64, dict(causal=True, window=True, softcap=True, alibi=True, sinks=True, lens=True)),
+    (128, dict(causal=True, window=True, softcap=True, alibi=True, sinks=True, lens=True)),
+    (128, dict(causal=True, softcap=True)),
+    (256, dict(window=True, alibi=True, sinks=True, lens=True)),
+])
+def test_feature_kernels_keep_everything_in_registers(hd, features):
+    """The tiles tile_for gives a kernel with features on hold O, S, P and the features' state
+    without spilling (d256 with soft-capping and a key range still spills 4-28 bytes)."""
+    spec = attention.tile_for("bfloat16", hd, 4096, lse=True, **features)
+    result = compiler.compile_cubin(codegen.render(spec), name="attention.cu", options=compiler.options_for("sm_90a"))
+    assert result.spill_bytes == 0 and result.stack_bytes == 0, spec.uri

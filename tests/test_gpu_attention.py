@@ -136,7 +136,9 @@ FEATURES = {  # name: (scaled_dot_product_attention keywords, with seq_lens as h
     "lens": dict(seq_lens_q=[200, 1, 0], seq_lens_kv=[333, 129, 7]),
     "lens_causal_bottom_right": dict(seq_lens_q=[150, 17, 200], seq_lens_kv=[333, 16, 1], is_causal=True,
                                      alignment="bottom_right"),
-    "everything": dict(window=(64, 0), softcap=30.0, sinks=[1.0, 2.0, 3.0, 4.0], seq_lens_kv=[300, 64, 333],
+    "alibi": dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+    "alibi_causal_bottom_right": dict(alibi_slopes=[1.0, 0.1, 0.01, 0.0], is_causal=True, alignment="bottom_right"),
+    "everything": dict(alibi_slopes=[0.05, 0.1, 0.2, 0.4], window=(64, 0), softcap=30.0, sinks=[1.0, 2.0, 3.0, 4.0], seq_lens_kv=[300, 64, 333],
                        is_causal=True),
 }
 

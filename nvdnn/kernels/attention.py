@@ -29,19 +29,21 @@ HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-by
 KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
 REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
-FEATURES = ("window", "softcap", "sinks", "lens")  # the spec's flags beyond causal, in uri order
+FEATURES = ("window", "softcap", "alibi", "sinks", "lens")  # the spec's flags beyond causal, in uri order
 UNBOUNDED = 1 << 29                                 # a window side that keeps every key
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 # (keys a tile, ring stages) by padded head dim: as many keys as O, S and P leave registers for
 DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (64, 2)}
+# with a FEATURES flag on (more state and work a score): tiles that keep it all in registers
+FEATURE_TILES = {**DEFAULT_TILES, 128: (128, 2)}
 
 
 @dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
     """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``,
-    seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, sinks (float32, one a query
-    head) with ``sinks``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
+    seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, alibi_slopes and sinks
+    (float32, one a query head) with ``alibi`` and ``sinks``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
     win_left, win_right (keys kept: [i' - left, i' + right]), bhs (B * Hq), m_tiles (query
     tiles), scale_log2, with ``softcap`` cap_in (scale / cap) and cap_out (cap * log2(e)), and o's
     batch / head / row strides."""
@@ -59,6 +61,7 @@ class AttentionSpec(KernelSpec):
     persistent: bool = True  # a block a multiprocessor walking the work items (False: a block each)
     window: bool = False     # keys kept per row in [i' - left, i' + right] (sliding-window attention)
     softcap: bool = False    # scores soft-capped: cap * tanh(s / cap)
+    alibi: bool = False      # ALiBi: -slope[h] * |i' - j| added to the scores
     sinks: bool = False      # a logit per query head joins each row's sum, with no value
     lens: bool = False       # per-batch query and key lengths (padded sequences)
 
@@ -119,6 +122,7 @@ class AttentionSpec(KernelSpec):
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
                 + (["float* __restrict__ lse"] if self.lse else [])
                 + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
+                + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
                 + (["const float* __restrict__ sinks"] if self.sinks else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
                 + ["int heads", "int groups", "int sq", "int sk", "int d", "int bottom_right", "int win_left",
@@ -147,7 +151,7 @@ def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool, **features
     """The default tile: two warpgroups of 64 rows (one for a query of at most 64 rows), the keys
     a tile DEFAULT_TILES gives the head dim."""
     hd = head_tile(d)
-    bn, stages = DEFAULT_TILES[hd]
+    bn, stages = (FEATURE_TILES if any(features.values()) else DEFAULT_TILES)[hd]
     return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2, **features)
 
 
@@ -206,11 +210,12 @@ def check(q: Operand, k: Operand, v: Operand) -> int:
 def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, alignment: str = "top_left",
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
               spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
-              sinks: bool = False, lens: bool = False) -> Plan:
+              alibi: bool = False, sinks: bool = False, lens: bool = False) -> Plan:
     """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
     ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes.
     ``window``: (left, right) keys kept around i' (None or -1: unbounded); ``softcap``: a
-    positive cap; ``sinks`` / ``lens``: the plan takes those pointers (nvdnn.reference's meanings)."""
+    positive cap; ``alibi`` / ``sinks`` / ``lens``: the plan takes those pointers (nvdnn.reference's
+    meanings)."""
     groups = check(q, k, v)
     for role, op in (("query", q), ("key", k), ("value", v)):
         reason = unreadable(op, role)
@@ -222,7 +227,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     left, right = (UNBOUNDED if side is None or side < 0 else int(side) for side in (window or (None, None)))
     right = min(right, 0) if causal else right
     spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse, window=window is not None,
-                            softcap=softcap is not None, sinks=sinks, lens=lens)
+                            softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
     m_tiles = -(-sq // spec.bm)
@@ -236,7 +241,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
     pointers = (("o", "q", "k", "v") + (("stats",) if lse else ()) + (("seq_lens_q", "seq_lens_kv") if lens else ())
-                + (("sinks",) if sinks else ()))
+                + (("alibi_slopes",) if alibi else ()) + (("sinks",) if sinks else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 
 
