@@ -3,9 +3,11 @@ one process on the same bf16 inputs (BHSD), head dims 64 / 128 / 256, 1k-16k tok
 not, GQA: per row kernel time (torch.profiler) and call time (back-to-back calls of the public
 function), TFLOP/s of the kernel (4 B Hq Sq Sk D, halved when causal), nvdnn's ratio to the
 best PyTorch backend, and the error against PyTorch's float32 result. Sorted worst first with
-the geometric mean; ``--quick``: the first rows only.
+the geometric mean; ``--quick``: the first rows only. ``--backward``: the backward instead (dQ,
+dK, dV from the forward's o and lse against PyTorch's autograd through each backend; 2.5 times
+the forward's FLOPs), head dims up to 128.
 
-    python benchmarks/bench_attention.py [--quick] [--json out.json]
+    python benchmarks/bench_attention.py [--quick] [--backward] [--json out.json]
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def flops(b, hq, s, d, causal) -> float:
     return 4.0 * b * hq * s * s * d / (2 if causal else 1)
 
 
-def run(torch, nvdnn, name, b, hq, hkv, s, d, causal) -> dict:
+def run(torch, nvdnn, name, b, hq, hkv, s, d, causal, backward=False) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -58,6 +60,8 @@ def run(torch, nvdnn, name, b, hq, hkv, s, d, causal) -> dict:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         fns[label] = pt
     work = flops(b, hq, s, d, causal)
+    if backward:
+        fns, work = backward_fns(torch, nvdnn, q, k, v, causal, gqa), 2.5 * work
     for label, fn in fns.items():
         try:
             us = kernel_us(torch, fn, calls=10)
@@ -68,7 +72,9 @@ def run(torch, nvdnn, name, b, hq, hkv, s, d, causal) -> dict:
             row[f"{label} us"] = f"{type(exc).__name__}"
     best = min((row[f"{lb} us"] for lb in ("cudnn", "flash") if isinstance(row.get(f"{lb} us"), float)),
                default=None)
-    if best and isinstance(row.get("nvdnn us"), float):
+    if best and isinstance(row.get("nvdnn us"), float) and backward:
+        row["vs best"] = round(best / row["nvdnn us"], 3)
+    elif best and isinstance(row.get("nvdnn us"), float):
         row["vs best"] = round(best / row["nvdnn us"], 3)
         want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
                                                                 enable_gqa=gqa) if s <= 4096 else None
@@ -78,12 +84,34 @@ def run(torch, nvdnn, name, b, hq, hkv, s, d, causal) -> dict:
     return row
 
 
+def backward_fns(torch, nvdnn, q, k, v, causal, gqa) -> dict:
+    """The timed backward calls: nvdnn's from the forward's o and lse, PyTorch's autograd through
+    each backend's forward (recorded once, its graph kept)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    do = torch.randn_like(q)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, return_lse=True)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    fns = {"nvdnn": lambda _: nvdnn.scaled_dot_product_attention_backward(
+        do, q, k, v, o, lse, is_causal=causal, enable_gqa=gqa, grad_query=grads[0], grad_key=grads[1],
+        grad_value=grads[2])}
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                y = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+        except RuntimeError:
+            continue
+        fns[label] = lambda _, y=y: torch.autograd.grad(y, leaves, do, retain_graph=True)
+    return fns
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first four configurations only")
     parser.add_argument("--tile", action="append", default=[], metavar="D:BN:STAGES",
                         help="force the tile of a padded head dim (an experiment: keys a tile, ring stages)")
     parser.add_argument("--grid", action="store_true", help="a block a work item instead of the persistent walk")
+    parser.add_argument("--backward", action="store_true", help="time the backward (head dims up to 128)")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
@@ -96,9 +124,10 @@ def main():
         tile_for = attention.tile_for
         attention.tile_for = lambda *a, **k: dataclasses.replace(tile_for(*a, **k), persistent=False)
     rows = []
-    for config in CONFIGS[:4] if args.quick else CONFIGS:
+    configs = [c for c in CONFIGS if not args.backward or c[-1] <= 128]
+    for config in configs[:4] if args.quick else configs:
         for causal in (False, True):
-            rows.append(run(torch, nvdnn, *config, causal))
+            rows.append(run(torch, nvdnn, *config, causal, args.backward))
             print(rows[-1], flush=True)
     ranked = sorted((r for r in rows if "vs best" in r), key=lambda r: r["vs best"])
     columns = ["config", "nvdnn us", "nvdnn TF/s", "cudnn TF/s", "flash TF/s", "vs best", "nvdnn call us",

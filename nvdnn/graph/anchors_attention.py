@@ -1,12 +1,13 @@
-"""The attention row of the anchor op table (graph/anchors.py): sdpa, the cuDNN frontend's
+"""The attention rows of the anchor op table (graph/anchors.py): sdpa, the cuDNN frontend's
 scaled-dot-product attention node, o = softmax(attn_scale * q k^T [causal]) v and its rows'
-log-sum-exp ``stats`` (what the backward reads), planned by kernels/attention.py. Grouped-query
-attention follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
+log-sum-exp ``stats``, planned by kernels/attention.py; sdpa_backward, (dq, dk, dv) from q, k,
+v, o, do and those stats, planned by kernels/attention_backward.py. Grouped-query attention
+follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
 from __future__ import annotations
 
 from .. import reference as ref
 from ..errors import DTypeError, UnsupportedError
-from ..kernels import attention
+from ..kernels import attention, attention_backward
 from . import rules
 from .anchors import AnchorOp, Meta, _need, register
 from .tensor import contiguous_strides
@@ -34,7 +35,7 @@ def _check(a, m):
 def _infer(a, m):
     q = m["q"]
     stats = q.dims[:3]
-    return [Meta(q.dims, attention.output_strides(q.dims, q.strides), None),
+    return [Meta(q.dims, attention.output_strides(q.dims, q.strides), q.data_type),  # the kernel writes q's type
             Meta(stats, contiguous_strides(stats), "float32")]
 
 
@@ -55,3 +56,33 @@ def _reference(a, v):
 
 register(AnchorOp("sdpa", "attention", ("q", "k", "v"), ("o", "stats"), _ATTRS, _infer, _plan, _reference,
                   epilogue=False, check=_check))
+
+
+def _check_backward(a, m):
+    """sdpa's rules, o and do of q's dims, stats of q's dims but the head dim."""
+    _check(a, m)
+    for role in ("o", "do"):
+        _need(tuple(m[role].dims) == tuple(m["q"].dims), role, f"has dims {list(m[role].dims)}; needs q's "
+              f"{list(m['q'].dims)}")
+    _need(tuple(m["stats"].dims) == tuple(m["q"].dims[:3]), "stats", f"has dims {list(m['stats'].dims)}; needs "
+          f"{list(m['q'].dims[:3])}, sdpa's stats output")
+
+
+def _plan_backward(a, o, e):
+    q = o["q"]
+    return attention_backward.plan_sdpa_backward(
+        q, o["k"], o["v"], o["o"], o["do"], causal=a["causal"], alignment=a["alignment"], scale=a["attn_scale"],
+        strides={role: attention.output_strides(o[like].shape, o[like].strides)
+                 for role, like in (("dq", "q"), ("dk", "k"), ("dv", "v"))})
+
+
+def _reference_backward(a, v):
+    return ref.scaled_dot_product_attention_backward(
+        v["do"], v["q"], v["k"], v["v"], v["o"], v["stats"], is_causal=a["causal"], scale=a["attn_scale"],
+        enable_gqa=v["q"].shape[1] != v["k"].shape[1], alignment=a["alignment"])[:3]
+
+
+register(AnchorOp("sdpa_backward", "attention", ("q", "k", "v", "o", "do", "stats"), ("dq", "dk", "dv"), _ATTRS,
+                  lambda a, m: [Meta(m[r].dims, attention.output_strides(m[r].dims, m[r].strides), m["q"].data_type)
+                                for r in ("q", "k", "v")],
+                  _plan_backward, _reference_backward, epilogue=False, tiles=False, check=_check_backward))

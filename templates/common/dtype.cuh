@@ -28,4 +28,16 @@ template <> __device__ __forceinline__ bfloat16 from_float<bfloat16>(float x) { 
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
   return r;
 }
+// Two floats as one word of two 16-bit values, the first in the low half (an MMA fragment's pair).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<half>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned pack2<bfloat16>(float lo, float hi) {  // sm_80 and later
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 }  // namespace nvdnn

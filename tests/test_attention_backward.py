@@ -1,0 +1,142 @@
+"""The attention backward without a GPU: spec rules, the plan's three launches and scratch, the
+deviceless sm_90a builds (five products on wgmma, dS^T stored for dQ's M-major A, no local
+memory), argument checks before any device work, and the graph's sdpa_backward on the NumPy
+backend."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nvdnn
+from nvdnn import codegen, compiler
+from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
+from nvdnn.kernels import attention_backward as family
+from nvdnn.kernels.attention_backward import AttentionBackwardSpec, AttentionRowsSpec
+from nvdnn.kernels.pointwise import Operand
+
+from .test_compile import _cuobjdump
+
+
+def _op(shape, layout="BHSD", dtype="bfloat16"):
+    b, h, s, d = shape
+    strides = (h * s * d, s * d, d, 1) if layout == "BHSD" else (s * h * d, d, h * d, 1)
+    return Operand(dtype, shape, strides)
+
+
+def test_spec_rules():
+    assert AttentionBackwardSpec("bfloat16", 128, True).uri == "attention/bwd/bf16/d128/causal/128x64s2"
+    assert AttentionRowsSpec("float16", 64, "dq").uri == "attention/bwd_dq/f16/d64"
+    with pytest.raises(ValidationError, match="hd"):
+        AttentionBackwardSpec("bfloat16", 256, False)
+    with pytest.raises(ValidationError, match="stage"):
+        AttentionRowsSpec("bfloat16", 64, "post")
+    for spec in family.preset():
+        assert spec.smem_bytes < 227 * 1024 if isinstance(spec, AttentionBackwardSpec) else True
+
+
+def test_plan_has_three_launches_over_padded_rows_and_key_tiles():
+    q, k = _op((2, 8, 300, 96), "BSHD"), _op((2, 2, 333, 96))
+    plan = family.plan_sdpa_backward(q, k, k, q, q, causal=True, alignment="bottom_right", scale=0.25,
+                                     strides={"dk": (96, 333 * 2 * 96, 2 * 96, 1)})
+    prep, main, finish = plan.launches
+    rows = 2 * 8 * 320  # 300 query rows padded to 5 tiles of 64
+    assert plan.scratch == (rows * 128 * 4, rows * 8)  # the dQ sum over the padded head dim, {lse2, D}
+    assert prep.grid == finish.grid == (rows // 8, 1, 1) and prep.pointers[-2:] == ("scratch1", "scratch0")
+    assert main.grid == (2 * 2 * 3, 1, 1) and main.block == (384, 1, 1)  # 333 keys: 3 tiles of 128
+    maps, scalars = main.args[:4], main.args[4:]
+    assert [m.box for m in maps] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
+    assert maps[0].strides[:1] == (8 * 96 * 2,)  # BSHD: a query row is Hq * D elements on
+    assert [int(x) for x in scalars[:10]] == [8, 2, 4, 300, 333, 96, 1, 3, 5, 320]
+    assert float(scalars[11]) == 0.25 and [int(x) for x in scalars[12:15]] == [96, 333 * 2 * 96, 2 * 96]
+
+
+def test_plan_refuses_head_dims_past_128_and_mismatched_grads():
+    with pytest.raises(UnsupportedError, match="up to 128"):
+        family.plan_sdpa_backward(*(_op((1, 2, 8, 192)),) * 5)
+    with pytest.raises(UnsupportedError, match="out"):
+        family.plan_sdpa_backward(*(_op((1, 2, 8, 64)),) * 3, _op((1, 2, 9, 64)), _op((1, 2, 8, 64)))
+
+
+def _sass(spec, tmp_path) -> str:
+    result = compiler.compile_cubin(codegen.render(spec), name="attention_bwd.cu",
+                                    options=compiler.options_for("sm_90a"))
+    assert result.spill_bytes == 0 and result.stack_bytes == 0 and "C7513" not in result.log, result.log
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    path = tmp_path / "attention_bwd.cubin"
+    path.write_bytes(result.cubin)
+    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+
+
+@pytest.mark.parametrize("hd,causal,dtype", [(64, True, "float16"), (128, False, "bfloat16")])
+def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, tmp_path):
+    sass = _sass(AttentionBackwardSpec(dtype, hd, causal), tmp_path)
+    kind = {"bfloat16": ".BF16", "float16": ""}[dtype]
+    from_smem = len(re.findall(rf"HGMMA\.64x64x16\.F32{kind} R\S+, gdesc", sass))
+    assert from_smem == 2 * hd // 16 + (4 if hd == 64 else 0)  # S^T, dP^T (and at d64 dQ's 4 steps of 16 keys)
+    assert f"HGMMA.64x{hd}x16.F32{kind} R" in sass and ".tnspB" in sass      # dV, dK: P, dS from registers
+    assert ".tnspA" in sass                                                   # dQ: dS^T read M-major
+    assert "RED.E.ADD.F32" in sass or "REDG.E.ADD.F32" in sass                # dQ's sums
+    assert "STL" not in sass and "LDL" not in sass
+
+
+def _bf16(shape):
+    return np.zeros(shape, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(lse=np.zeros((1, 4, 9), np.float32)), ValidationError, "lse: shape"),
+    (dict(lse=_bf16((1, 4, 8))), DTypeError, "float32"),
+    (dict(out=_bf16((1, 4, 8, 32))), ValidationError, "out"),
+    (dict(grad_out=np.zeros((1, 4, 8, 64), np.float16)), ValidationError, "grad_out"),
+    (dict(grad_key=_bf16((1, 2, 8, 64))), ValidationError, "grad_key"),
+    (dict(query=_bf16((1, 4, 8, 192)), key=_bf16((1, 2, 8, 192)), value=_bf16((1, 2, 8, 192)),
+          out=_bf16((1, 4, 8, 192)), grad_out=_bf16((1, 4, 8, 192))), UnsupportedError, "up to 128"),
+    (dict(enable_gqa=False), ValidationError, "enable_gqa"),
+    (dict(attn_mask=np.zeros((8, 8), bool)), UnsupportedError, "mask"),
+])
+def test_bad_arguments_raise_before_device_work(change, error, match):
+    args = dict(grad_out=_bf16((1, 4, 8, 64)), query=_bf16((1, 4, 8, 64)), key=_bf16((1, 1, 8, 64)),
+                value=_bf16((1, 1, 8, 64)), out=_bf16((1, 4, 8, 64)), lse=np.zeros((1, 4, 8), np.float32),
+                enable_gqa=True)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        nvdnn.scaled_dot_product_attention_backward(**args)
+
+
+def test_graph_sdpa_backward_runs_the_numpy_reference():
+    g = nvdnn.Graph(io_data_type="float16", arch="sm_90", name="attn")
+    q = g.tensor(dims=[2, 4, 37, 64], name="q")
+    k, v = g.tensor(dims=[2, 2, 50, 64], name="k"), g.tensor(dims=[2, 2, 50, 64], name="v")
+    o, stats = g.sdpa(q, k, v, causal=True, name="fwd")
+    do = g.tensor(dims=[2, 4, 37, 64], name="do")
+    dq, dk, dv = g.sdpa_backward(q, k, v, o, do, stats, causal=True, name="bwd")
+    for t in (dq, dk, dv):
+        t.set_output(True)
+    g.build()
+    assert [spec.uri for spec in g.binaries][-3:] == ["attention/bwd_prep/f16/d64", "attention/bwd/f16/d64/causal/"
+                                                      "128x64s2", "attention/bwd_dq/f16/d64"]
+    rng = np.random.default_rng(2)
+    pack = {t.name: rng.uniform(-1, 1, t.dims).astype(np.float16) for t in (q, k, v, do)}
+    for t in (dq, dk, dv):
+        pack[t.name] = np.empty(t.dims)
+    g.execute(pack, backend="numpy")
+    x = {r: pack[r].astype(np.float64) for r in ("q", "k", "v", "do")}
+    o64, lse = nvdnn.reference.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True, enable_gqa=True,
+                                                            return_lse=True)
+    want = nvdnn.reference.scaled_dot_product_attention_backward(x["do"], x["q"], x["k"], x["v"], o64, lse,
+                                                                 is_causal=True, enable_gqa=True)
+    for t, ref in zip((dq, dk, dv), want):
+        np.testing.assert_allclose(pack[t.name], ref, atol=1e-9)
+
+
+def test_graph_sdpa_backward_names_bad_stats():
+    g = nvdnn.Graph(io_data_type="float16", arch="sm_90")
+    q = g.tensor(dims=[1, 2, 8, 64], name="q")
+    with pytest.raises(ValidationError, match="'stats' has dims"):
+        g.sdpa_backward(q, q, q, q, q, g.tensor(dims=[1, 2, 9], data_type="float32", name="stats"))

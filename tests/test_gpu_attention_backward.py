@@ -1,0 +1,83 @@
+"""nvdnn.scaled_dot_product_attention_backward on the GPU against the float64 reference backward
+(fed the kernel forward's own o and lse), gradients NaN-poisoned: fp16 / bf16, head dims 64,
+96 and 128, odd lengths (1, 7, 129, 1000) with Sq != Sk, causal in both alignments, GQA ratios
+1, 4 and 8, BHSD and BSHD memory; then torch tensors against torch's own backward."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .gpu import laid_out, requires_gpu
+
+pytestmark = requires_gpu
+
+# (B, Hq, Hkv, Sq, Sk, D)
+SHAPES = {
+    "one": (1, 2, 2, 1, 1, 64),
+    "seven": (2, 4, 1, 7, 7, 128),
+    "129_gqa4": (1, 8, 2, 129, 129, 128),
+    "1000_gqa8": (1, 8, 1, 1000, 1000, 64),
+    "decode_7x1000": (2, 4, 4, 7, 1000, 128),
+    "prefill_300x130": (2, 2, 2, 300, 130, 64),
+    "d96": (2, 3, 3, 200, 333, 96),
+    "long_kv": (1, 2, 1, 64, 2049, 128),
+}
+# |error| bound relative to the largest reference gradient: P and dS round to 16 bits before
+# their products, the gradients to 16 bits at the end
+TOL = {"float16": 6e-3, "bfloat16": 3e-2}
+CASES = [dict(shape=name, dtype=dtype, causal=causal, alignment=alignment, layout=layout)
+         for i, name in enumerate(SHAPES) for dtype in ("bfloat16", "float16")
+         for causal, alignment in ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
+         for layout in (("BHSD", "BSHD")[(i + len(dtype) + causal) % 2],)]
+
+
+def _array(shape, dtype, layout, rng):
+    return laid_out(shape, dtype, (0, 2, 1, 3) if layout == "BSHD" else (0, 1, 2, 3), rng)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_sdpa_backward_matches_float64(case):
+    import cupy
+
+    import nvdnn
+    rng = np.random.default_rng()
+    b, hq, hkv, sq, sk, d = SHAPES[case["shape"]]
+    q, q64 = _array((b, hq, sq, d), case["dtype"], case["layout"], rng)
+    k, k64 = _array((b, hkv, sk, d), case["dtype"], case["layout"], rng)
+    v, v64 = _array((b, hkv, sk, d), case["dtype"], case["layout"], rng)
+    do, do64 = _array((b, hq, sq, d), case["dtype"], case["layout"], rng)
+    scale = 0.5 / np.sqrt(d) if case["shape"] == "d96" else None
+    options = dict(is_causal=case["causal"], scale=scale, enable_gqa=hq != hkv, alignment=case["alignment"])
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
+    dq, dk, dv = nvdnn.scaled_dot_product_attention_backward(do, q, k, v, o, lse, grad_query=grads[0],
+                                                             grad_key=grads[1], grad_value=grads[2], **options)
+    assert dq is grads[0] and dk is grads[1] and dv is grads[2]
+    o64, lse64 = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    want = nvdnn.reference.scaled_dot_product_attention_backward(do64, q64, k64, v64, o64, lse64, **options)[:3]
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = cupy.asnumpy(got).astype(np.float64)
+        assert not np.isnan(got).any(), f"{case}: NaN left in {name}"
+        err, size = np.abs(got - ref).max(), max(np.abs(ref).max(), 1e-3)
+        assert err <= TOL[case["dtype"]] * size, f"{case}: {name} max error {err:.3g} of {size:.3g}"
+
+
+def test_sdpa_backward_torch_tensors_match_torch():
+    torch = pytest.importorskip("torch")
+    import nvdnn
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, heads, 333, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for heads in (8, 2, 2))
+    do = torch.randn(2, 8, 333, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                            enable_gqa=True)
+    want.backward(do.float())
+    o, lse = nvdnn.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True, enable_gqa=True,
+                                                return_lse=True)
+    for _ in range(2):  # the second call replays the recorded launches
+        got = nvdnn.scaled_dot_product_attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse,
+                                                          is_causal=True, enable_gqa=True)
+        for g, x in zip(got, (q, k, v)):
+            assert isinstance(g, torch.Tensor) and g.shape == x.shape and g.dtype == x.dtype
+            size = x.grad.abs().max().item()
+            assert (g.float() - x.grad).abs().max().item() <= 3e-2 * size
