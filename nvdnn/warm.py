@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
-from .kernels import attention, conv, conv_backward, matmul, norm, pointwise, pool, reduce
+from .kernels import attention, attention_backward, conv, conv_backward, matmul, norm, pointwise, pool, reduce
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
@@ -26,6 +26,7 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "conv": conv.preset,       # ResNet-50's conv shapes (im2col gathers, GEMMs) and depthwise / grouped ones
     "conv_backward": conv_backward.preset,  # their dgrad (GEMM + col2im), wgrad (gather + split-K GEMM), dbias
     "attention": attention.preset,  # fused SDPA forward, fp16 / bf16, head dims 64 / 128 / 256, causal or not
+    "attention_backward": attention_backward.preset,  # its backward (dQ, dK, dV), head dims 64 / 128
 }
 
 
