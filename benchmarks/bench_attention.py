@@ -112,6 +112,8 @@ def main():
                         help="force the tile of a padded head dim (an experiment: keys a tile, ring stages)")
     parser.add_argument("--grid", action="store_true", help="a block a work item instead of the persistent walk")
     parser.add_argument("--backward", action="store_true", help="time the backward (head dims up to 128)")
+    parser.add_argument("--dq-split", action="store_true",
+                        help="backward at head dim 128: the warpgroups split dQ's columns (an experiment)")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
@@ -120,6 +122,11 @@ def main():
     for tile in args.tile:
         d, bn, stages = (int(v) for v in tile.split(":"))
         attention.DEFAULT_TILES[d] = (bn, stages)
+    if args.dq_split:
+        from nvdnn.kernels import attention_backward
+        spec_for = attention_backward.spec_for
+        attention_backward.spec_for = lambda *a, **k: dataclasses.replace(spec_for(*a, **k),
+                                                                          dq_split=spec_for(*a, **k).hd == 128)
     if args.grid:
         tile_for = attention.tile_for
         attention.tile_for = lambda *a, **k: dataclasses.replace(tile_for(*a, **k), persistent=False)

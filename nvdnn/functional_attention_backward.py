@@ -30,8 +30,10 @@ def check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, 
     q = checks.describe(query, "query")
     for name, x in (("grad_out", grad_out), ("out", out)):
         meta = checks.describe(x, name)
-        if meta.shape != q.shape or meta.dtype != q.dtype:
-            raise ValidationError(f"{name}: {meta.dtype} {meta.shape}; needs query's {q.dtype} {q.shape}", arg=name)
+        if meta.dtype != q.dtype:
+            raise DTypeError(f"{name}: data type {meta.dtype}; needs query's {q.dtype}", arg=name)
+        if meta.shape != q.shape:
+            raise ValidationError(f"{name}: shape {meta.shape}; needs query's {q.shape}", arg=name)
     meta = checks.describe(lse, "lse")
     if meta.shape != q.shape[:-1]:
         raise ValidationError(f"lse: shape {meta.shape}; needs query's dims without the head dim, {q.shape[:-1]} "

@@ -60,6 +60,7 @@ GOOD = {
     "log_softmax_backward": ((ROW, ROW), {}),
     "cross_entropy": ((ROW, np.arange(8) % 16), {}),
     "scaled_dot_product_attention": ((Q16, Q16, Q16), {}),
+    "scaled_dot_product_attention_backward": ((Q16, Q16, Q16, Q16, Q16, f32(1, 4, 8)), {}),
     "max_pool2d": ((X, 2), {}),
     "avg_pool2d": ((X, 2), {}),
     "global_avg_pool2d": ((X,), {}),
@@ -138,6 +139,10 @@ SPECIFIC = {
     "scaled_dot_product_attention": [(("args", (Q16, Q16[:, :2], Q16[:, :2])), ValidationError, ["enable_gqa"]),
                                      (("kwargs", {"attn_mask": f32(8, 8)}), UnsupportedError, ["attn_mask"]),
                                      (("kwargs", {"alignment": "middle"}), ValidationError, ["alignment"])],
+    "scaled_dot_product_attention_backward": [
+        (("args", (Q16, Q16, Q16, Q16, Q16, f32(1, 4, 9))), ValidationError, ["lse: shape", "(1, 4, 8)"]),
+        (("args", (Q16, Q16, Q16, Q16, Q16[:, :, :7], f32(1, 4, 8))), ValidationError, ["out: shape"]),
+        (("kwargs", {"is_causal": 1}), ValidationError, ["is_causal"])],
     "matmul_backward": [(("args", (f32(8, 9), ROW, f32(16, 8))), ValidationError, ["dy: shape (8, 9)", "a @ b"]),
                         (("kwargs", {"activation": "gelu"}), ValidationError, ["pre_activation", "gelu"]),
                         (("kwargs", {"bias": 1}), ValidationError, ["bias=1"]),

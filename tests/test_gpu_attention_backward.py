@@ -37,6 +37,25 @@ def _array(shape, dtype, layout, rng):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_sdpa_backward_matches_float64(case):
+    _check_case(case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if SHAPES[c["shape"]][-1] == 128 and c["dtype"] == "bfloat16"],
+                         ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_dq_split_variant_matches_float64(case, monkeypatch):
+    """The head-dim-128 variant whose warpgroups split dQ's columns (both warpgroups' dS^T shared)."""
+    import dataclasses
+
+    from nvdnn import callsite, functional_attention_backward
+    from nvdnn.kernels import attention_backward as family
+    spec_for = family.spec_for
+    monkeypatch.setattr(family, "spec_for", lambda *a, **k: dataclasses.replace(spec_for(*a, **k), dq_split=True))
+    monkeypatch.setattr(functional_attention_backward, "_PLANS", {})
+    monkeypatch.setattr(callsite, "_REPLAYS", {})
+    _check_case(case)
+
+
+def _check_case(case):
     import cupy
 
     import nvdnn

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
 from .attention import _CTYPE, _PTX, ALIGNMENTS, DTYPES, _map, check, head_tile, unreadable
@@ -37,13 +37,14 @@ class AttentionBackwardSpec(KernelSpec):
     row strides."""
     family = "attention_bwd"
     template = "attention/backward.cu.j2"
-    tile_fields = ("stages",)
+    tile_fields = ("stages", "dq_split")
 
     dtype: str
     hd: int
     causal: bool
     stages: int = 2      # Q / dO tiles in flight
     consumers: int = 2   # warpgroups of 64 keys each
+    dq_split: bool = False  # dQ over the block's keys, half the head dim a warpgroup (head dim 128)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -51,6 +52,10 @@ class AttentionBackwardSpec(KernelSpec):
         one_of(self.causal, (False, True), "causal")
         one_of(self.stages, (2, 3), "stages")
         one_of(self.consumers, (2,), "consumers")
+        one_of(self.dq_split, (False, True), "dq_split")
+        if self.dq_split and self.hd != 128:
+            raise ValidationError(f"dq_split: head dim {self.hd}; splits 128 columns into a 64-wide chunk a "
+                                  "warpgroup", arg="dq_split")
         if self.smem_bytes > SMEM_LIMIT:
             raise UnsupportedError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
                                    arg="stages")
@@ -66,13 +71,13 @@ class AttentionBackwardSpec(KernelSpec):
     @property
     def smem_bytes(self) -> int:
         """K and V, the Q and dO ring with its statistics, dS^T, the barriers, 1 KB to align."""
-        return (1024 + 2 * self.bn * self.hd * 2 + self.stages * (2 * BM * self.hd * 2 + BM * 8) + self.bn * 128
-                + 8 * (1 + 2 * self.stages))
+        return (1024 + 2 * self.bn * self.hd * 2 + self.stages * (2 * BM * self.hd * 2 + BM * 8)
+                + (2 if self.dq_split else 1) * self.bn * 128 + 8 * (1 + 2 * self.stages))
 
     @property
     def uri(self) -> str:
         return (f"attention/bwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
-                + f"/{self.bn}x{BM}s{self.stages}")
+                + f"/{self.bn}x{BM}s{self.stages}" + ("/dqsplit" if self.dq_split else ""))
 
     @property
     def entry(self) -> str:
@@ -84,7 +89,7 @@ class AttentionBackwardSpec(KernelSpec):
     def render_context(self) -> dict:
         io = "const io_t* __restrict__ "
         return {"io_t": _CTYPE[self.dtype], "kind": _PTX[self.dtype], "hd": self.hd, "stages": self.stages,
-                "consumers": self.consumers, "causal": self.causal,
+                "consumers": self.consumers, "causal": self.causal, "dq_split": self.dq_split,
                 "params": ["io_t* __restrict__ dk_ptr", "io_t* __restrict__ dv_ptr", io + "q", io + "k", io + "v",
                            io + "dout", "float* __restrict__ dq_acc", "const float* __restrict__ stats"]
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in ("q", "k", "v", "do")]
