@@ -50,8 +50,8 @@ def test_plan_has_three_launches_over_padded_rows_and_key_tiles():
     maps, scalars = main.args[:4], main.args[4:]
     assert [m.box for m in maps] == [(64, 64, 1, 1), (64, 128, 1, 1), (64, 128, 1, 1), (64, 64, 1, 1)]
     assert maps[0].strides[:1] == (8 * 96 * 2,)  # BSHD: a query row is Hq * D elements on
-    assert [int(x) for x in scalars[:10]] == [8, 2, 4, 300, 333, 96, 1, 3, 5, 320]
-    assert float(scalars[11]) == 0.25 and [int(x) for x in scalars[12:15]] == [96, 333 * 2 * 96, 2 * 96]
+    assert [int(x) for x in scalars[:12]] == [8, 2, 4, 300, 333, 96, 1, 1 << 29, 0, 3, 5, 320]  # window: causal's
+    assert float(scalars[13]) == 0.25 and [int(x) for x in scalars[14:17]] == [96, 333 * 2 * 96, 2 * 96]
 
 
 def test_plan_refuses_head_dims_past_128_and_mismatched_grads():

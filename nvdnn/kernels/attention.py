@@ -207,6 +207,13 @@ def check(q: Operand, k: Operand, v: Operand) -> int:
     return q.shape[1] // k.shape[1]
 
 
+def window_sides(window: tuple | None, causal: bool) -> tuple[int, int]:
+    """The keys a row keeps before and after its diagonal position (UNBOUNDED for None or -1);
+    causal caps the right side at 0."""
+    left, right = (UNBOUNDED if side is None or side < 0 else int(side) for side in (window or (None, None)))
+    return left, min(right, 0) if causal else right
+
+
 def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, alignment: str = "top_left",
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
               spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
@@ -224,8 +231,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     one_of(alignment, ALIGNMENTS, "alignment")
     b, hq, sq, d = q.shape
     sk = k.shape[2]
-    left, right = (UNBOUNDED if side is None or side < 0 else int(side) for side in (window or (None, None)))
-    right = min(right, 0) if causal else right
+    left, right = window_sides(window, causal)
     spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse, window=window is not None,
                             softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
