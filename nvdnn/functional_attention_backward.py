@@ -10,7 +10,7 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, check_attention
+from .functional_attention import _batched, _vector, check_attention
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -21,12 +21,12 @@ _PLAN_LIMIT = 256
 
 @checks.remembered
 def check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   grads) -> None:
+                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv) -> None:
     """The forward's rules for query, key and value; grad_out and out of query's shape and type,
     lse (query's dims but the head dim) float32; the head dims the backward takes; the given
     gradient buffers' shapes. Before any device work, the same on every machine."""
     check_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, alignment, None, (None,),
-                    None, None, None, None, None, None)
+                    window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv)
     q = checks.describe(query, "query")
     for name, x in (("grad_out", grad_out), ("out", out)):
         meta = checks.describe(x, name)
@@ -52,19 +52,21 @@ def check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, 
 
 @callsite.fast
 def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
-                                          scale=None, enable_gqa=False, *, alignment="top_left", grad_query=None,
-                                          grad_key=None, grad_value=None, stream=None):
+                                          scale=None, enable_gqa=False, *, alignment="top_left", window=None,
+                                          alibi_slopes=None, softcap=None, seq_lens_q=None, seq_lens_kv=None,
+                                          grad_query=None, grad_key=None, grad_value=None, stream=None):
     """(grad_query, grad_key, grad_value) of scaled_dot_product_attention's output.
 
     ``out`` and ``lse`` are what the forward returned with ``return_lse=True`` (probabilities
     are recomputed from them, nothing else is saved); the other arguments are the forward's
     (fp16 / bf16, head dims up to 128, causal in either alignment, GQA: a key head's gradients
-    sum over its query heads). Gradients come back in their inputs' layouts, or are written
-    into ``grad_query`` / ``grad_key`` / ``grad_value`` when given (device arrays of the inputs'
-    shapes and type, any strides).
+    sum over its query heads; window, softcap, ALiBi and padded lengths as the forward took
+    them; keys past a sequence's length get zero gradients). Gradients come back in their
+    inputs' layouts, or are written into ``grad_query`` / ``grad_key`` / ``grad_value`` when
+    given (device arrays of the inputs' shapes and type, any strides).
     """
     check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   (grad_query, grad_key, grad_value))
+                   (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
@@ -89,10 +91,20 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
             grads[role] = _batched(given if type(given) is cp.ndarray else arrays.to_device(given, f"grad_{like}")[0])
     dims = ops["q"].shape
     sk = ops["k"].shape[2]
+    extra = {}
+    if alibi_slopes is not None:
+        extra["alibi_slopes"] = _vector(cp, alibi_slopes, np.float32, "alibi_slopes")
+    if seq_lens_q is not None or seq_lens_kv is not None:
+        for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, sk)):
+            extra[name] = cp.full(dims[0], full, np.int32) if given is None else _vector(cp, given, np.int32, name)
+            if given is None:
+                callsite.refuse(f"{name} made in full")
+    options = dict(window=None if window is None else tuple(window),
+                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra, lens="seq_lens_q" in extra)
     if math.prod(dims) and sk:
         strides = {role: tuple(s // g.itemsize for s in g.strides) for role, g in grads.items()}
         signature = (device, tuple((r, _signature(a)) for r, a in xs.items()), tuple(strides.items()),
-                     bool(is_causal), alignment, None if scale is None else float(scale))
+                     bool(is_causal), alignment, None if scale is None else float(scale), tuple(options.items()))
         plan = _PLANS.get(signature)
         if plan is None:
             from .compiler import device_arch
@@ -101,11 +113,11 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse,
                 raise UnsupportedError(f"scaled_dot_product_attention_backward: {reason}")
             plan = family.plan_sdpa_backward(ops["q"], ops["k"], ops["v"], ops["o"], ops["do"],
                                              causal=bool(is_causal), alignment=alignment, scale=scale,
-                                             strides=strides)
+                                             strides=strides, **options)
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[signature] = plan
-        launcher.run(plan, {**xs, "stats": stats, **grads}, stream=stream)
+        launcher.run(plan, {**xs, **extra, "stats": stats, **grads}, stream=stream)
     else:  # no queries or no keys: every gradient is zero
         callsite.refuse("empty attention: gradients filled without a kernel")
         for g in grads.values():

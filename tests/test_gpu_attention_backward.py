@@ -100,3 +100,46 @@ def test_sdpa_backward_torch_tensors_match_torch():
             assert isinstance(g, torch.Tensor) and g.shape == x.shape and g.dtype == x.dtype
             size = x.grad.abs().max().item()
             assert (g.float() - x.grad).abs().max().item() <= 3e-2 * size
+
+
+FEATURES = {  # name: (the forward's and backward's keywords, with seq_lens and slopes as host lists)
+    "window": dict(window=(37, 5)),
+    "window_causal_bottom_right": dict(window=(100, None), is_causal=True, alignment="bottom_right"),
+    "softcap": dict(softcap=2.5),
+    "softcap_causal": dict(softcap=30.0, is_causal=True),
+    "lens": dict(seq_lens_q=[200, 1, 0], seq_lens_kv=[333, 129, 7]),
+    "lens_causal_bottom_right": dict(seq_lens_q=[150, 17, 200], seq_lens_kv=[333, 16, 1], is_causal=True,
+                                     alignment="bottom_right"),
+    "alibi_causal": dict(alibi_slopes=[1.0, 0.1, 0.01, 0.0], is_causal=True),
+    "everything": dict(alibi_slopes=[0.05, 0.1, 0.2, 0.4], window=(64, 0), softcap=30.0, seq_lens_kv=[300, 64, 333],
+                       is_causal=True),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", FEATURES)
+def test_sdpa_backward_features_match_float64(name, d):
+    import cupy
+
+    import nvdnn
+    rng = np.random.default_rng()
+    b, hq, hkv, sq, sk = 3, 4, 2, 200, 333
+    q, q64 = _array((b, hq, sq, d), "bfloat16", "BSHD", rng)
+    k, k64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
+    v, v64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
+    do, do64 = _array((b, hq, sq, d), "bfloat16", "BHSD", rng)
+    options = dict(FEATURES[name], enable_gqa=True)
+    device = {key: cupy.asarray(np.asarray(value, np.int32 if key.startswith("seq") else np.float32))
+              if isinstance(value, list) else value for key, value in options.items()}
+    host = {key: np.asarray(value) if isinstance(value, list) else value for key, value in options.items()}
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, return_lse=True, **device)
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
+    got = nvdnn.scaled_dot_product_attention_backward(do, q, k, v, o, lse, grad_query=grads[0], grad_key=grads[1],
+                                                      grad_value=grads[2], **device)
+    o64, lse64 = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    want = nvdnn.reference.scaled_dot_product_attention_backward(do64, q64, k64, v64, o64, lse64, **host)[:3]
+    for grad, g, ref in zip(("dq", "dk", "dv"), got, want):
+        g = cupy.asnumpy(g).astype(np.float64)
+        assert not np.isnan(g).any(), f"{name}: NaN left in {grad}"
+        err, size = np.abs(g - ref).max(), max(np.abs(ref).max(), 1e-3)
+        assert err <= TOL["bfloat16"] * size, f"{name}: {grad} max error {err:.3g} of {size:.3g}"
