@@ -113,7 +113,7 @@ def main():
     parser.add_argument("--grid", action="store_true", help="a block a work item instead of the persistent walk")
     parser.add_argument("--backward", action="store_true", help="time the backward (head dims up to 128)")
     parser.add_argument("--dq-split", action="store_true",
-                        help="backward at head dim 128: the warpgroups split dQ's columns (an experiment)")
+                        help="backward: the warpgroups split dQ's columns at every head dim (an experiment)")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
@@ -125,8 +125,7 @@ def main():
     if args.dq_split:
         from nvdnn.kernels import attention_backward
         spec_for = attention_backward.spec_for
-        attention_backward.spec_for = lambda *a, **k: dataclasses.replace(spec_for(*a, **k),
-                                                                          dq_split=spec_for(*a, **k).hd == 128)
+        attention_backward.spec_for = lambda *a, **k: dataclasses.replace(spec_for(*a, **k), dq_split=True)
     if args.grid:
         tile_for = attention.tile_for
         attention.tile_for = lambda *a, **k: dataclasses.replace(tile_for(*a, **k), persistent=False)

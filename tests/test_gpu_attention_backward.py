@@ -40,10 +40,11 @@ def test_sdpa_backward_matches_float64(case):
     _check_case(case)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if SHAPES[c["shape"]][-1] == 128 and c["dtype"] == "bfloat16"],
+@pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "bfloat16"],
                          ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_dq_split_variant_matches_float64(case, monkeypatch):
-    """The head-dim-128 variant whose warpgroups split dQ's columns (both warpgroups' dS^T shared)."""
+    """The variant whose warpgroups split dQ's columns (both warpgroups' dS^T shared; at d64 32
+    columns each, the second half read 64 bytes into K's swizzled rows)."""
     import dataclasses
 
     from nvdnn import callsite, functional_attention_backward

@@ -45,7 +45,7 @@ class AttentionBackwardSpec(KernelSpec):
     causal: bool
     stages: int = 2      # Q / dO tiles in flight
     consumers: int = 2   # warpgroups of 64 keys each
-    dq_split: bool = False  # dQ over the block's keys, half the head dim a warpgroup (head dim 128)
+    dq_split: bool = False  # dQ over the block's keys, half the head dim a warpgroup
     window: bool = False    # the forward's options (attention.FEATURES but sinks, which leave dQ, dK,
     softcap: bool = False   # dV as they are given lse): the same masks and scores, softcap's
     alibi: bool = False     # derivative in dS
@@ -60,9 +60,6 @@ class AttentionBackwardSpec(KernelSpec):
         one_of(self.dq_split, (False, True), "dq_split")
         for name in FEATURES:
             one_of(getattr(self, name), (False, True), name)
-        if self.dq_split and self.hd != 128:
-            raise ValidationError(f"dq_split: head dim {self.hd}; splits 128 columns into a 64-wide chunk a "
-                                  "warpgroup", arg="dq_split")
         if self.smem_bytes > SMEM_LIMIT:
             raise UnsupportedError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
                                    arg="stages")
