@@ -64,7 +64,8 @@ def test_plan_refuses_head_dims_past_128_and_mismatched_grads():
 def _sass(spec, tmp_path) -> str:
     result = compiler.compile_cubin(codegen.render(spec), name="attention_bwd.cu",
                                     options=compiler.options_for("sm_90a"))
-    assert result.spill_bytes == 0 and result.stack_bytes == 0 and "C7513" not in result.log, result.log
+    assert result.spill_bytes == 0 and result.stack_bytes == 0, result.log
+    assert "C7512" not in result.log and "C7513" not in result.log, result.log  # no serialized wgmma
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
@@ -73,14 +74,16 @@ def _sass(spec, tmp_path) -> str:
     return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
 
 
-@pytest.mark.parametrize("hd,causal,dtype", [(64, True, "float16"), (128, False, "bfloat16")])
-def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, tmp_path):
-    sass = _sass(AttentionBackwardSpec(dtype, hd, causal), tmp_path)
+@pytest.mark.parametrize("hd,causal,dtype,split", [(64, True, "float16", False), (64, False, "bfloat16", True),
+                                                   (128, False, "bfloat16", False), (128, True, "bfloat16", True)])
+def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, tmp_path):
+    sass = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split), tmp_path)
     kind = {"bfloat16": ".BF16", "float16": ""}[dtype]
-    from_smem = len(re.findall(rf"HGMMA\.64x64x16\.F32{kind} R\S+, gdesc", sass))
-    assert from_smem == 2 * hd // 16 + (4 if hd == 64 else 0)  # S^T, dP^T (and at d64 dQ's 4 steps of 16 keys)
+    products = re.findall(r"HGMMA\.(64x\d+)x16\.F32(\S*) R\d+, gdesc\[\w+\](\S*),", sass)
+    assert products.count(("64x64", kind, "")) == 2 * hd // 16  # S^T and dP^T, K-major from shared memory
+    dq = (f"64x{hd // 2 if split else hd}", kind, ".tnspA.tnspB")
+    assert products.count(dq) == (8 if split else 4)             # dQ: 16 keys a step, dS^T read M-major
     assert f"HGMMA.64x{hd}x16.F32{kind} R" in sass and ".tnspB" in sass      # dV, dK: P, dS from registers
-    assert ".tnspA" in sass                                                   # dQ: dS^T read M-major
     assert "RED.E.ADD.F32" in sass or "REDG.E.ADD.F32" in sass                # dQ's sums
     assert "STL" not in sass and "LDL" not in sass
 
