@@ -34,7 +34,7 @@ import nvdnn  # noqa: E402
 
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
              "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0,
-             "nvdnn.functional_attention": 14.0}
+             "nvdnn.functional_attention": 14.0, "nvdnn.functional_attention_backward": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -261,6 +261,22 @@ def _sdpa(size):
                                            enable_gqa=True))
 
 
+def _sdpa_backward(size):
+    """Its backward from a forward's o and lse (nvdnn: three launches); PyTorch: autograd through
+    its SDPA, the forward recorded once, so the timed call is the backward alone."""
+    b, hq, hkv, s, d = (1, 4, 2, 64, 64) if size == "small" else (2, 16, 4, 1024, 128)
+    shapes = [(b, hq, s, d), (b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), (b, hq, s, d)]
+    arrays = tuple(Arr(shape, "bfloat16", low=-1.0, high=1.0) for shape in shapes) + (Arr((b, hq, s), "float32"),)
+
+    def pt(t, do, q, k, v, o, lse):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        y = t.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        return partial(t.autograd.grad, y, leaves, do, retain_graph=True)
+    return Case("calls", "scaled_dot_product_attention_backward", arrays,
+                lambda n, do, q, k, v, o, lse: partial(n.scaled_dot_product_attention_backward, do, q, k, v, o, lse,
+                                                       is_causal=True, enable_gqa=True), pt)
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -273,7 +289,9 @@ def rows(sizes=SIZES) -> tuple[list, list]:
                  or (_matmul_backward(size) if name == "matmul_backward" else None)
                  or (_conv2d(size) if name == "conv2d" else None)
                  or (_conv2d_backward(size) if name == "conv2d_backward" else None)
-                 or (_sdpa(size) if name == "scaled_dot_product_attention" else None)) for size in sizes]
+                 or (_sdpa(size) if name == "scaled_dot_product_attention" else None)
+                 or (_sdpa_backward(size) if name == "scaled_dot_product_attention_backward" else None))
+                for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)
             continue

@@ -24,14 +24,18 @@ NOT_YET = ("dropout_mask",)
 
 @checks.remembered
 def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    extras, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv) -> None:
+                    extras, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed=None) -> None:
     """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
-    device work, the same on every machine."""
+    device work, the same on every machine. ``packed``: (cu_seqlens_q, cu_seqlens_kv,
+    max_seqlen_q) of (T, H, D) tensors, checked as (1, H, T, D) ones."""
     for name, given in zip(NOT_YET, extras):
         if given is not None:
             raise UnsupportedError(f"{name}: the attention kernel does not take it yet; "
                                    "nvdnn.reference.scaled_dot_product_attention computes it", arg=name)
     metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
+    batch = None
+    if packed is not None:
+        metas, batch = _check_packed(metas, *packed, seq_lens_q, seq_lens_kv), len(packed[0]) - 1
     q, k, v = metas.values()
     for role, meta in metas.items():
         if len(meta.shape) not in (3, 4) or len(meta.shape) != len(q.shape):
@@ -67,9 +71,42 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         raise ValidationError(f"scale: {scale!r}; a finite number, or None for 1 / sqrt(head dim)", arg="scale")
     checks.choice(dict.fromkeys(family.ALIGNMENTS), alignment, "alignment")
     _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, q.shape[-3],
-                   q.shape[0] if len(q.shape) == 4 else 1)
-    if out is not None and checks.describe(out, "out").shape != q.shape:
-        raise ValidationError(f"out: shape {tuple(out.shape)} should be {q.shape}", arg="out")
+                   batch or (q.shape[0] if len(q.shape) == 4 else 1))
+    want = tuple(query.shape) if packed is not None else q.shape
+    if out is not None and checks.describe(out, "out").shape != want:
+        raise ValidationError(f"out: shape {tuple(out.shape)} should be {want}", arg="out")
+
+
+def _check_packed(metas: dict, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, seq_lens_q, seq_lens_kv) -> dict:
+    """Packed variable-length sequences: (T, H, D) tensors, cu_seqlens of one length (sequences
+    + 1) and an integer type, no padded-batch lengths; the metas as (1, H, T, D)."""
+    for role, meta in metas.items():
+        if len(meta.shape) != 3:
+            raise ValidationError(f"{role}: shape {meta.shape}; with cu_seqlens query, key and value are (T, H, D), "
+                                  "sequences packed along T", arg=role)
+    sizes = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        if cu is None:
+            raise ValidationError(f"{name}: packed sequences need both cu_seqlens_q and cu_seqlens_kv", arg=name)
+        meta = checks.describe(cu, name)
+        if len(meta.shape) != 1 or meta.shape[0] < 2:
+            raise ValidationError(f"{name}: shape {meta.shape}; needs (sequences + 1,), each sequence's first row "
+                                  "then the total", arg=name)
+        if meta.dtype not in ("int32", "int64"):
+            raise DTypeError(f"{name}: data type {meta.dtype}; takes int32 or int64", arg=name)
+        sizes.append(meta.shape[0])
+    if sizes[0] != sizes[1]:
+        raise ValidationError(f"cu_seqlens_kv: {sizes[1] - 1} sequences; cu_seqlens_q has {sizes[0] - 1}",
+                              arg="cu_seqlens_kv")
+    for name, given in (("seq_lens_q", seq_lens_q), ("seq_lens_kv", seq_lens_kv)):
+        if given is not None:
+            raise ValidationError(f"{name}: packed sequences take their lengths from cu_seqlens", arg=name)
+    if max_seqlen_q is not None and (type(max_seqlen_q) is not int or max_seqlen_q < 0):
+        raise ValidationError(f"max_seqlen_q: {max_seqlen_q!r}; an int >= 0, the longest query sequence",
+                              arg="max_seqlen_q")
+    return {role: checks.ArrayMeta((1, m.shape[1], m.shape[0], m.shape[2]), (0, m.strides[1], m.strides[0],
+                                                                            m.strides[2]), m.dtype)
+            for role, m in metas.items()}
 
 
 def _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, heads: int, batch: int) -> None:
@@ -109,16 +146,25 @@ def _vector(cp, x, kind, name: str):
     return dev
 
 
-def _batched(x):
-    """A (H, S, D) array as (1, H, S, D)."""
-    return x if x.ndim == 4 else x[None]
+def _batched(x, packed: bool = False):
+    """A (H, S, D) array as (1, H, S, D); ``packed``: a (T, H, D) one as (1, H, T, D)."""
+    return x.transpose(1, 0, 2)[None] if packed else x if x.ndim == 4 else x[None]
+
+
+def _longest(cu, name: str) -> int:
+    """The longest sequence cu_seqlens describes (read back from the device when it lies there)."""
+    if not isinstance(cu, (np.ndarray, list, tuple)):
+        callsite.refuse(f"{name} read back for the longest sequence")
+        cu = arrays.to_device(cu, name)[0].get()
+    return int(np.diff(np.asarray(cu, np.int64)).max(initial=0))
 
 
 @callsite.fast
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, dropout_mask=None,
-                                 return_lse=False, out=None, stream=None):
+                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None,
+                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, return_lse=False, out=None,
+                                 stream=None):
     """softmax(scale * query key^T [causal]) value in one kernel, PyTorch's meanings.
 
     query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) (or all without B), fp16 / bf16, in any
@@ -132,16 +178,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     batch (rows past a query length give zeros). The result is in query's layout (or written
     into ``out``); with ``return_lse`` also the rows' log-sum-exp of the scaled scores, (B, Hq,
     Sq) float32, what a training forward saves. ``alibi_slopes`` (one a query head): scores get
-    -slope * |i' - j|. ``dropout_mask`` (the reference's) raises an UnsupportedError until the
-    kernel draws its own.
+    -slope * |i' - j|. ``cu_seqlens_q`` / ``cu_seqlens_kv`` (int32, sequences + 1): variable-length
+    sequences packed along T of (T, H, D) tensors, sequence b at rows cu[b]:cu[b + 1]
+    (flash_attn_varlen's layout; ``max_seqlen_q``, the longest query sequence, is read from
+    cu_seqlens_q when not given); o is (T, Hq, D) and lse (Hq, T). ``dropout_mask`` (the
+    reference's) raises an UnsupportedError until the kernel draws its own.
     """
+    packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
+              else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q))
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv)
+                    (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})
     kind = dtypes.of_array(xs["q"], arg="query").name
-    xs = {role: _batched(x) for role, x in xs.items()}
+    xs = {role: _batched(x, packed is not None) for role, x in xs.items()}
     ops = {role: _operand(x, kind) for role, x in xs.items()}
     for role, op in ops.items():
         if family.unreadable(op, role) and op.shape[2]:  # a layout no tensor map reads: a packed copy
@@ -149,7 +200,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             xs[role] = cp.ascontiguousarray(xs[role])
             ops[role] = _operand(xs[role], kind)
     dims = ops["q"].shape
-    out_dev = None if out is None else _batched(out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0])
+    out_dev = None if out is None else _batched(out if type(out) is cp.ndarray else arrays.to_device(out, "out")[0],
+                                                packed is not None)
     if out_dev is not None:
         _check_out(out_dev, kind, xs)
     o = out_dev if out_dev is not None else _empty(cp, dims, ops["q"].strides, kind)
@@ -166,8 +218,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 extra[name] = cp.full(dims[0], full, np.int32)
             else:
                 extra[name] = _vector(cp, given, np.int32, name)
-    options = dict(window=None if window is None else tuple(window), softcap=None if softcap is None else float(softcap),
-                   alibi="alibi_slopes" in extra, sinks="sinks" in extra, lens="seq_lens_q" in extra)
+    if packed is not None:
+        for name, given in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+            extra[name] = _vector(cp, given, np.int32, name)
+        packed = (len(cu_seqlens_q) - 1, max_seqlen_q if max_seqlen_q is not None
+                  else _longest(cu_seqlens_q, "cu_seqlens_q"))
+    options = dict(window=None if window is None else tuple(window),
+                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
+                   sinks="sinks" in extra, lens="seq_lens_q" in extra, packed=packed)
     if math.prod(dims) and ops["k"].shape[2]:
         key = (device, tuple((r, _signature(a)) for r, a in xs.items()), o_strides, bool(is_causal), alignment,
                None if scale is None else float(scale), bool(return_lse), tuple(options.items()))
@@ -188,7 +246,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         o[...] = 0
         if lse is not None:
             lse[...] = extra["sinks"][None, :, None] if "sinks" in extra else -np.inf
-    if len(query.shape) == 3:
+    if packed is not None:
+        o, lse = o[0].transpose(1, 0, 2), None if lse is None else lse[0]
+    elif len(query.shape) == 3:
         o, lse = o[0], None if lse is None else lse[0]
     if out is not None:
         if isinstance(out, np.ndarray):

@@ -20,15 +20,19 @@ _PLAN_LIMIT = 256
 
 
 @checks.remembered
-def check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv) -> None:
-    """The forward's rules for query, key and value; grad_out and out of query's shape and type,
+def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
+                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv, not_yet) -> None:
+    """The forward's rules for query, key and value; grad_out and output of query's shape and type,
     lse (query's dims but the head dim) float32; the head dims the backward takes; the given
     gradient buffers' shapes. Before any device work, the same on every machine."""
+    for name, given, unset in zip(("sinks", "dropout_p", "dropout_mask"), not_yet, (None, 0.0, None)):
+        if given is not unset and not (name == "dropout_p" and given == 0):
+            raise UnsupportedError(f"{name}: the attention backward does not take it yet; "
+                                   "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg=name)
     check_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, alignment, None, (None,),
                     window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv)
     q = checks.describe(query, "query")
-    for name, x in (("grad_out", grad_out), ("out", out)):
+    for name, x in (("grad_out", grad_out), ("output", output)):
         meta = checks.describe(x, name)
         if meta.dtype != q.dtype:
             raise DTypeError(f"{name}: data type {meta.dtype}; needs query's {q.dtype}", arg=name)
@@ -51,25 +55,29 @@ def check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, 
 
 
 @callsite.fast
-def scaled_dot_product_attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, is_causal=False,
+def scaled_dot_product_attention_backward(grad_out, query, key, value, output, lse, attn_mask=None, is_causal=False,
                                           scale=None, enable_gqa=False, *, alignment="top_left", window=None,
-                                          alibi_slopes=None, softcap=None, seq_lens_q=None, seq_lens_kv=None,
-                                          grad_query=None, grad_key=None, grad_value=None, stream=None):
+                                          alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
+                                          seq_lens_kv=None, dropout_p=0.0, dropout_mask=None, grad_query=None,
+                                          grad_key=None, grad_value=None, stream=None):
     """(grad_query, grad_key, grad_value) of scaled_dot_product_attention's output.
 
-    ``out`` and ``lse`` are what the forward returned with ``return_lse=True`` (probabilities
+    ``output`` and ``lse`` are what the forward returned with ``return_lse=True`` (probabilities
     are recomputed from them, nothing else is saved); the other arguments are the forward's
     (fp16 / bf16, head dims up to 128, causal in either alignment, GQA: a key head's gradients
     sum over its query heads; window, softcap, ALiBi and padded lengths as the forward took
-    them; keys past a sequence's length get zero gradients). Gradients come back in their
-    inputs' layouts, or are written into ``grad_query`` / ``grad_key`` / ``grad_value`` when
-    given (device arrays of the inputs' shapes and type, any strides).
+    them; keys past a sequence's length get zero gradients; ``sinks``, ``dropout_p`` and
+    ``dropout_mask`` raise an UnsupportedError until the kernels give dsinks and drop).
+    Gradients come back in their inputs' layouts, or are written into ``grad_query`` /
+    ``grad_key`` / ``grad_value`` when given (device arrays of the inputs' shapes and type, any
+    strides).
     """
-    check_backward(grad_out, query, key, value, out, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv)
+    check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
+                   (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv,
+                   (sinks, dropout_p, dropout_mask))
     device = checks.device()
     cp = arrays.cupy()
-    xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": out, "do": grad_out})
+    xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": output, "do": grad_out})
     kind = dtypes.of_array(xs["q"], arg="query").name
     xs = {role: _batched(x) for role, x in xs.items()}
     ops = {role: _operand(x, kind) for role, x in xs.items()}

@@ -95,17 +95,17 @@ def _bf16(shape):
 @pytest.mark.parametrize("change,error,match", [
     (dict(lse=np.zeros((1, 4, 9), np.float32)), ValidationError, "lse: shape"),
     (dict(lse=_bf16((1, 4, 8))), DTypeError, "float32"),
-    (dict(out=_bf16((1, 4, 8, 32))), ValidationError, "out"),
+    (dict(output=_bf16((1, 4, 8, 32))), ValidationError, "output"),
     (dict(grad_out=np.zeros((1, 4, 8, 64), np.float16)), DTypeError, "grad_out"),
     (dict(grad_key=_bf16((1, 2, 8, 64))), ValidationError, "grad_key"),
     (dict(query=_bf16((1, 4, 8, 192)), key=_bf16((1, 2, 8, 192)), value=_bf16((1, 2, 8, 192)),
-          out=_bf16((1, 4, 8, 192)), grad_out=_bf16((1, 4, 8, 192))), UnsupportedError, "up to 128"),
+          output=_bf16((1, 4, 8, 192)), grad_out=_bf16((1, 4, 8, 192))), UnsupportedError, "up to 128"),
     (dict(enable_gqa=False), ValidationError, "enable_gqa"),
     (dict(attn_mask=np.zeros((8, 8), bool)), UnsupportedError, "mask"),
 ])
 def test_bad_arguments_raise_before_device_work(change, error, match):
     args = dict(grad_out=_bf16((1, 4, 8, 64)), query=_bf16((1, 4, 8, 64)), key=_bf16((1, 1, 8, 64)),
-                value=_bf16((1, 1, 8, 64)), out=_bf16((1, 4, 8, 64)), lse=np.zeros((1, 4, 8), np.float32),
+                value=_bf16((1, 1, 8, 64)), output=_bf16((1, 4, 8, 64)), lse=np.zeros((1, 4, 8), np.float32),
                 enable_gqa=True)
     args.update(change)
     with pytest.raises(error, match=match):

@@ -141,7 +141,7 @@ SPECIFIC = {
                                      (("kwargs", {"alignment": "middle"}), ValidationError, ["alignment"])],
     "scaled_dot_product_attention_backward": [
         (("args", (Q16, Q16, Q16, Q16, Q16, f32(1, 4, 9))), ValidationError, ["lse: shape", "(1, 4, 8)"]),
-        (("args", (Q16, Q16, Q16, Q16, Q16[:, :, :7], f32(1, 4, 8))), ValidationError, ["out: shape"]),
+        (("args", (Q16, Q16, Q16, Q16, Q16[:, :, :7], f32(1, 4, 8))), ValidationError, ["output: shape"]),
         (("kwargs", {"is_causal": 1}), ValidationError, ["is_causal"])],
     "matmul_backward": [(("args", (f32(8, 9), ROW, f32(16, 8))), ValidationError, ["dy: shape (8, 9)", "a @ b"]),
                         (("kwargs", {"activation": "gelu"}), ValidationError, ["pre_activation", "gelu"]),

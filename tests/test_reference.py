@@ -83,7 +83,7 @@ def test_numpy_backend_handles_0d_results_and_takes_float64_outputs_unrounded():
 
 # -- nvdnn.reference.<op> takes nvdnn.<op>'s arguments ----------------------------------------------
 
-DELIVERY = ("out", "out_a", "out_b", "out_dx", "out_dw", "dtype", "stream")  # keyword-only: where and in what type GPU results land
+DELIVERY = ("out", "out_a", "out_b", "out_dx", "out_dw", "grad_query", "grad_key", "grad_value", "dtype", "stream")  # keyword-only: where and in what type GPU results land
 
 
 def _parameters(fn):

@@ -29,7 +29,7 @@ HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-by
 KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
 REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
-FEATURES = ("window", "softcap", "alibi", "sinks", "lens")  # the spec's flags beyond causal, in uri order
+FEATURES = ("window", "softcap", "alibi", "sinks", "lens", "packed")  # the flags beyond causal, in uri order
 UNBOUNDED = 1 << 29                                 # a window side that keeps every key
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
@@ -42,7 +42,8 @@ FEATURE_TILES = {**DEFAULT_TILES, 128: (128, 2)}
 @dataclass(frozen=True)
 class AttentionSpec(KernelSpec):
     """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``,
-    seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, alibi_slopes and sinks
+    seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, cu_seqlens_q and cu_seqlens_kv
+    (int32, one more than the sequences) with ``packed``, alibi_slopes and sinks
     (float32, one a query head) with ``alibi`` and ``sinks``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
     win_left, win_right (keys kept: [i' - left, i' + right]), bhs (B * Hq), m_tiles (query
     tiles), scale_log2, with ``softcap`` cap_in (scale / cap) and cap_out (cap * log2(e)), and o's
@@ -64,6 +65,7 @@ class AttentionSpec(KernelSpec):
     alibi: bool = False      # ALiBi: -slope[h] * |i' - j| added to the scores
     sinks: bool = False      # a logit per query head joins each row's sum, with no value
     lens: bool = False       # per-batch query and key lengths (padded sequences)
+    packed: bool = False     # variable-length sequences packed along S of a batch of 1 (cu_seqlens)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -76,6 +78,9 @@ class AttentionSpec(KernelSpec):
         one_of(self.persistent, (False, True), "persistent")
         for name in FEATURES:
             one_of(getattr(self, name), (False, True), name)
+        if self.lens and self.packed:
+            raise ValidationError("packed: packed sequences carry their own lengths; lens is for a padded batch",
+                                  arg="packed")
         held = self.hd // 2 + self.bn // 2 + self.bn // 4
         if held > REGISTERS:
             raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
@@ -122,6 +127,7 @@ class AttentionSpec(KernelSpec):
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
                 + (["float* __restrict__ lse"] if self.lse else [])
                 + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
+                + (["const int* __restrict__ cu_q", "const int* __restrict__ cu_kv"] if self.packed else [])
                 + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
                 + (["const float* __restrict__ sinks"] if self.sinks else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
@@ -151,7 +157,8 @@ def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool, **features
     """The default tile: two warpgroups of 64 rows (one for a query of at most 64 rows), the keys
     a tile DEFAULT_TILES gives the head dim."""
     hd = head_tile(d)
-    bn, stages = (FEATURE_TILES if any(features.values()) else DEFAULT_TILES)[hd]
+    heavy = any(on for name, on in features.items() if name != "packed")  # packed: a few registers a work item
+    bn, stages = (FEATURE_TILES if heavy else DEFAULT_TILES)[hd]
     return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2, **features)
 
 
@@ -217,12 +224,14 @@ def window_sides(window: tuple | None, causal: bool) -> tuple[int, int]:
 def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, alignment: str = "top_left",
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
               spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
-              alibi: bool = False, sinks: bool = False, lens: bool = False) -> Plan:
+              alibi: bool = False, sinks: bool = False, lens: bool = False,
+              packed: tuple | None = None) -> Plan:
     """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
     ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes.
     ``window``: (left, right) keys kept around i' (None or -1: unbounded); ``softcap``: a
     positive cap; ``alibi`` / ``sinks`` / ``lens``: the plan takes those pointers (nvdnn.reference's
-    meanings)."""
+    meanings). ``packed``: (sequences, the longest one's query rows) of variable-length sequences
+    packed along S of operands with B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S))."""
     groups = check(q, k, v)
     for role, op in (("query", q), ("key", k), ("value", v)):
         reason = unreadable(op, role)
@@ -231,12 +240,18 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     one_of(alignment, ALIGNMENTS, "alignment")
     b, hq, sq, d = q.shape
     sk = k.shape[2]
+    rows = sq
+    if packed is not None:
+        if b != 1 or k.shape[0] != 1:
+            raise ValidationError(f"query: batch {b}; packed sequences lie along S of a batch of 1", arg="query")
+        b, rows = packed
     left, right = window_sides(window, causal)
-    spec = spec or tile_for(q.dtype, d, sq, causal=causal, lse=lse, window=window is not None,
-                            softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens)
+    spec = spec or tile_for(q.dtype, d, rows, causal=causal, lse=lse, window=window is not None,
+                            softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens,
+                            packed=packed is not None)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
-    m_tiles = -(-sq // spec.bm)
+    m_tiles = -(-rows // spec.bm)
     args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
             *(np.int32(x) for x in (hq, groups, sq, sk, d, alignment == "bottom_right", left, right, b * hq, m_tiles)),
             np.float32(scale * math.log2(math.e)),
@@ -247,6 +262,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
     pointers = (("o", "q", "k", "v") + (("stats",) if lse else ()) + (("seq_lens_q", "seq_lens_kv") if lens else ())
+                + (("cu_seqlens_q", "cu_seqlens_kv") if packed is not None else ())
                 + (("alibi_slopes",) if alibi else ()) + (("sinks",) if sinks else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 

@@ -133,12 +133,19 @@ def _dropped(p, dropout_p, dropout_mask):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, dropout_mask=None,
-                                 return_lse=False):
+                                 softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None,
+                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, return_lse=False):
     """o (..., Hq, Sq, Dv) as the module docstring says; with ``return_lse`` also lse (..., Hq,
     Sq), the statistics a training forward saves. ``window``: (left, right) keys around i'
     (None or -1: unbounded); ``dropout_mask``: the kept entries (..., Hq, Sq, Sk), as the
-    kernel's RNG drew them. Key / value heads fewer than q's need ``enable_gqa``, as in PyTorch."""
+    kernel's RNG drew them. Key / value heads fewer than q's need ``enable_gqa``, as in PyTorch.
+    ``cu_seqlens_q`` / ``cu_seqlens_kv``: (T, H, D) tensors of packed sequences (``varlen``;
+    ``max_seqlen_q`` only bounds them, as the kernel's tiles do)."""
+    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        options = {name: value for name, value in locals().items() if name not in (
+            "query", "key", "value", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q")}
+        return varlen(scaled_dot_product_attention, query, key, value, np.asarray(cu_seqlens_q),
+                      np.asarray(cu_seqlens_kv), **options)
     q, k, v = _f64(query), _f64(key), _f64(value)
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, live, _ = _scores(q, k, groups, **_options(locals()))
@@ -153,17 +160,17 @@ def _sum_groups(x, groups: int):
     return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:]).sum(axis=-3) if groups > 1 else x
 
 
-def scaled_dot_product_attention_backward(do, q, k, v, o, lse, attn_mask=None, is_causal=False, scale=None,
-                                          enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
-                                          softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None,
-                                          dropout_p=0.0, dropout_mask=None):
+def scaled_dot_product_attention_backward(grad_out, query, key, value, output, lse, attn_mask=None, is_causal=False,
+                                          scale=None, enable_gqa=False, *, alignment="top_left", window=None,
+                                          alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
+                                          seq_lens_kv=None, dropout_p=0.0, dropout_mask=None):
     """(dq, dk, dv, dmask, dsinks) from the forward's o and lse (p recomputed as exp(s - lse)):
     dv = p_dropped^T do, dp = do v^T (dropped as p was), ds = p * (dp - rowsum(do * o)), through
     tanh's derivative when soft-capping; dq = scale * ds k, dk = scale * ds^T q (key / value
     gradients summed over their query heads). dmask: the gradient of a float attn_mask, summed
     to its shape (None otherwise); dsinks (Hq,): -sum over rows of exp(sink - lse) * rowsum(do * o)
     (None without sinks)."""
-    do, q, k, v, o, lse = _f64(do), _f64(q), _f64(k), _f64(v), _f64(o), _f64(lse)
+    do, q, k, v, o, lse = _f64(grad_out), _f64(query), _f64(key), _f64(value), _f64(output), _f64(lse)
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, _, tanh = _scores(q, k, groups, **_options(locals()))
     p = _probabilities(s, allowed, lse)
