@@ -5,6 +5,7 @@ log-sum-exp statistics; then torch tensors in and out, and a repeat call through
 A failure names the case and the worst error against its bound."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -171,3 +172,35 @@ def test_sdpa_features_match_float64(name, d):
     assert (np.isneginf(got_lse) == empty).all(), f"{name}: rows with no key should have lse -inf, and only they"
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse).max(
         where=~empty, initial=1.0)), name
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_sdpa_packed_sequences_match_float64(d, causal, alignment):
+    """Variable-length sequences packed along T (cu_seqlens), lengths 0, 1, 7, 129 and 300 (Sq !=
+    Sk), GQA: every sequence attends to its own keys only; lse (Hq, T)."""
+    import cupy
+
+    import nvdnn
+    rng = np.random.default_rng()
+    lens_q, lens_kv = [7, 300, 0, 129, 1], [7, 250, 5, 129, 64]
+    cu_q, cu_kv = np.cumsum([0] + lens_q).astype(np.int32), np.cumsum([0] + lens_kv).astype(np.int32)
+    hq, hkv = 4, 2
+    q64 = rng.uniform(-1, 1, (cu_q[-1], hq, d))
+    k64, v64 = (rng.uniform(-1, 1, (cu_kv[-1], hkv, d)) for _ in range(2))
+    q, k, v = (cupy.asarray(x.astype(ml_dtypes.bfloat16)) for x in (q64, k64, v64))
+    q64, k64, v64 = (cupy.asnumpy(x).astype(np.float64) for x in (q, k, v))
+    out = cupy.full(q.shape, np.nan, q.dtype)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, alignment=alignment,
+                                                cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_kv=cu_kv,
+                                                return_lse=True, out=out)
+    want, want_lse = nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, enable_gqa=True,
+                                                                  alignment=alignment, cu_seqlens_q=cu_q,
+                                                                  cu_seqlens_kv=cu_kv, return_lse=True)
+    got, got_lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    assert o is out and lse.shape == (hq, cu_q[-1])
+    assert not np.isnan(got).any(), "NaN left in the output"
+    assert np.abs(got - want).max() <= TOL["bfloat16"]
+    empty = np.isneginf(want_lse)
+    assert (np.isneginf(got_lse) == empty).all()
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse[~empty]).max())
