@@ -10,7 +10,7 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, _vector, check_attention
+from .functional_attention import _batched, _longest, _vector, check_attention
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -21,7 +21,7 @@ _PLAN_LIMIT = 256
 
 @checks.remembered
 def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv, not_yet) -> None:
+                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv, packed, not_yet) -> None:
     """The forward's rules for query, key and value; grad_out and output of query's shape and type,
     lse (query's dims but the head dim) float32; the head dims the backward takes; the given
     gradient buffers' shapes. Before any device work, the same on every machine."""
@@ -30,7 +30,10 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
             raise UnsupportedError(f"{name}: the attention backward does not take it yet; "
                                    "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg=name)
     check_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, alignment, None, (None,),
-                    window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv)
+                    window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv, packed and packed[:3])
+    if packed is not None and packed[3] is not None and (type(packed[3]) is not int or packed[3] < 0):
+        raise ValidationError(f"max_seqlen_kv: {packed[3]!r}; an int >= 0, the longest key sequence",
+                              arg="max_seqlen_kv")
     q = checks.describe(query, "query")
     for name, x in (("grad_out", grad_out), ("output", output)):
         meta = checks.describe(x, name)
@@ -39,9 +42,10 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
         if meta.shape != q.shape:
             raise ValidationError(f"{name}: shape {meta.shape}; needs query's {q.shape}", arg=name)
     meta = checks.describe(lse, "lse")
-    if meta.shape != q.shape[:-1]:
-        raise ValidationError(f"lse: shape {meta.shape}; needs query's dims without the head dim, {q.shape[:-1]} "
-                              "(what the forward's return_lse=True gives)", arg="lse")
+    want = (q.shape[1], q.shape[0]) if packed is not None else q.shape[:-1]
+    if meta.shape != want:
+        raise ValidationError(f"lse: shape {meta.shape}; needs {want} (what the forward's return_lse=True gives)",
+                              arg="lse")
     if meta.dtype != "float32":
         raise DTypeError(f"lse: data type {meta.dtype}; needs float32 (the forward's)", arg="lse")
     if q.shape[-1] > family.HEAD_TILES[-1]:
@@ -58,7 +62,8 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
 def scaled_dot_product_attention_backward(grad_out, query, key, value, output, lse, attn_mask=None, is_causal=False,
                                           scale=None, enable_gqa=False, *, alignment="top_left", window=None,
                                           alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
-                                          seq_lens_kv=None, dropout_p=0.0, dropout_mask=None, grad_query=None,
+                                          seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
+                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None, grad_query=None,
                                           grad_key=None, grad_value=None, stream=None):
     """(grad_query, grad_key, grad_value) of scaled_dot_product_attention's output.
 
@@ -66,20 +71,24 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     are recomputed from them, nothing else is saved); the other arguments are the forward's
     (fp16 / bf16, head dims up to 128, causal in either alignment, GQA: a key head's gradients
     sum over its query heads; window, softcap, ALiBi and padded lengths as the forward took
-    them; keys past a sequence's length get zero gradients; ``sinks``, ``dropout_p`` and
+    them, packed sequences (``cu_seqlens_q`` / ``cu_seqlens_kv``: (T, H, D) tensors, lse (Hq,
+    T); the longest sequences read from cu_seqlens when not given); keys past a sequence's
+    length get zero gradients; ``sinks``, ``dropout_p`` and
     ``dropout_mask`` raise an UnsupportedError until the kernels give dsinks and drop).
     Gradients come back in their inputs' layouts, or are written into ``grad_query`` /
     ``grad_key`` / ``grad_value`` when given (device arrays of the inputs' shapes and type, any
     strides).
     """
+    packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
+              else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
     check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
                    (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv,
-                   (sinks, dropout_p, dropout_mask))
+                   packed, (sinks, dropout_p, dropout_mask))
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": output, "do": grad_out})
     kind = dtypes.of_array(xs["q"], arg="query").name
-    xs = {role: _batched(x) for role, x in xs.items()}
+    xs = {role: _batched(x, packed is not None) for role, x in xs.items()}
     ops = {role: _operand(x, kind) for role, x in xs.items()}
     for role, op in ops.items():
         if role != "o" and family.unreadable(op, role) and op.shape[2]:  # no tensor map reads it: a packed copy
@@ -87,7 +96,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
             xs[role] = cp.ascontiguousarray(xs[role])
             ops[role] = _operand(xs[role], kind)
     stats = arrays.to_device(lse, "lse")[0]
-    stats = stats if stats.ndim == 3 else stats[None]
+    stats = stats if stats.ndim == 3 else stats[None]  # (1, Hq, Sq), packed (1, Hq, T)
     if not stats.flags.c_contiguous:
         callsite.refuse("lse copied to a packed layout")
         stats = cp.ascontiguousarray(stats)
@@ -96,7 +105,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
         if given is None:
             grads[role] = _empty(cp, xs[like].shape, ops[like].strides, kind)
         else:  # written in place: a CuPy array, or a view of a torch / DLPack one
-            grads[role] = _batched(given if type(given) is cp.ndarray else arrays.to_device(given, f"grad_{like}")[0])
+            grads[role] = _batched(given if type(given) is cp.ndarray else arrays.to_device(given, f"grad_{like}")[0],
+                                   packed is not None)
     dims = ops["q"].shape
     sk = ops["k"].shape[2]
     extra = {}
@@ -107,8 +117,15 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
             extra[name] = cp.full(dims[0], full, np.int32) if given is None else _vector(cp, given, np.int32, name)
             if given is None:
                 callsite.refuse(f"{name} made in full")
+    if packed is not None:
+        for name, given in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+            extra[name] = _vector(cp, given, np.int32, name)
+        packed = (len(cu_seqlens_q) - 1,
+                  max_seqlen_q if max_seqlen_q is not None else _longest(cu_seqlens_q, "cu_seqlens_q"),
+                  max_seqlen_kv if max_seqlen_kv is not None else _longest(cu_seqlens_kv, "cu_seqlens_kv"))
     options = dict(window=None if window is None else tuple(window),
-                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra, lens="seq_lens_q" in extra)
+                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
+                   lens="seq_lens_q" in extra, packed=packed)
     if math.prod(dims) and sk:
         strides = {role: tuple(s // g.itemsize for s in g.strides) for role, g in grads.items()}
         signature = (device, tuple((r, _signature(a)) for r, a in xs.items()), tuple(strides.items()),
@@ -132,7 +149,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
             g[...] = 0
     result = []
     for role, given in (("dq", grad_query), ("dk", grad_key), ("dv", grad_value)):
-        g = grads[role] if query.ndim == 4 else grads[role][0]
+        g = grads[role][0].transpose(1, 0, 2) if packed is not None else grads[role] if query.ndim == 4 \
+            else grads[role][0]
         if isinstance(given, np.ndarray):  # computed in a device copy
             given[...] = g.get()
         result.append(given if given is not None else back(g) if back is not None else g)

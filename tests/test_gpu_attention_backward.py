@@ -144,3 +144,34 @@ def test_sdpa_backward_features_match_float64(name, d):
         assert not np.isnan(g).any(), f"{name}: NaN left in {grad}"
         err, size = np.abs(g - ref).max(), max(np.abs(ref).max(), 1e-3)
         assert err <= TOL["bfloat16"] * size, f"{name}: {grad} max error {err:.3g} of {size:.3g}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,alignment", [(False, "top_left"), (True, "bottom_right")])
+def test_sdpa_backward_packed_sequences_match_float64(d, causal, alignment):
+    """Packed variable-length sequences (cu_seqlens; lengths 0, 1, 7, 129, 300, Sq != Sk, GQA):
+    each sequence's gradients its own, keys of no query's sequence zero."""
+    import cupy
+    import ml_dtypes
+
+    import nvdnn
+    rng = np.random.default_rng()
+    lens_q, lens_kv = [7, 300, 0, 129, 1], [7, 250, 5, 129, 64]
+    cu_q, cu_kv = np.cumsum([0] + lens_q).astype(np.int32), np.cumsum([0] + lens_kv).astype(np.int32)
+    hq, hkv = 4, 2
+    host = [rng.uniform(-1, 1, shape).astype(ml_dtypes.bfloat16) for shape in
+            ((cu_q[-1], hq, d), (cu_kv[-1], hkv, d), (cu_kv[-1], hkv, d), (cu_q[-1], hq, d))]
+    q, k, v, do = (cupy.asarray(x) for x in host)
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in host)
+    options = dict(is_causal=causal, enable_gqa=True, alignment=alignment, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
+    got = nvdnn.scaled_dot_product_attention_backward(do, q, k, v, o, lse, grad_query=grads[0], grad_key=grads[1],
+                                                      grad_value=grads[2], **options)
+    o64, lse64 = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    want = nvdnn.reference.scaled_dot_product_attention_backward(do64, q64, k64, v64, o64, lse64, **options)[:3]
+    for name, g, ref in zip(("dq", "dk", "dv"), got, want):
+        g = cupy.asnumpy(g).astype(np.float64)
+        assert g.shape == ref.shape and not np.isnan(g).any(), f"{name}: NaN left or shape {g.shape}"
+        err, size = np.abs(g - ref).max(), max(np.abs(ref).max(), 1e-3)
+        assert err <= TOL["bfloat16"] * size, f"{name}: max error {err:.3g} of {size:.3g}"

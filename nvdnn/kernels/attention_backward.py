@@ -24,7 +24,7 @@ from .attention import _CTYPE, _PTX, ALIGNMENTS, DTYPES, _map, check, head_tile,
 from .matmul.specs import SMEM_LIMIT
 from .pointwise import Operand
 
-FEATURES = ("window", "softcap", "alibi", "lens")  # the forward's (attention.FEATURES) but sinks
+FEATURES = ("window", "softcap", "alibi", "lens", "packed")  # the forward's (attention.FEATURES) but sinks
 HEAD_TILES = (64, 128)  # dK and dV of 64 keys a warpgroup in registers: 2 * HD / 2 floats a thread
 BM = 64                 # query rows a step
 ROW_WARPS = 8           # rows a block of the row launches
@@ -50,6 +50,7 @@ class AttentionBackwardSpec(KernelSpec):
     softcap: bool = False   # dV as they are given lse): the same masks and scores, softcap's
     alibi: bool = False     # derivative in dS
     lens: bool = False
+    packed: bool = False
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -60,6 +61,9 @@ class AttentionBackwardSpec(KernelSpec):
         one_of(self.dq_split, (False, True), "dq_split")
         for name in FEATURES:
             one_of(getattr(self, name), (False, True), name)
+        if self.lens and self.packed:
+            raise ValidationError("packed: packed sequences carry their own lengths; lens is for a padded batch",
+                                  arg="packed")
         if self.smem_bytes > SMEM_LIMIT:
             raise UnsupportedError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
                                    arg="stages")
@@ -99,6 +103,7 @@ class AttentionBackwardSpec(KernelSpec):
                 "params": ["io_t* __restrict__ dk_ptr", "io_t* __restrict__ dv_ptr", io + "q", io + "k", io + "v",
                            io + "dout", "float* __restrict__ dq_acc", "const float* __restrict__ stats"]
                 + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
+                + (["const int* __restrict__ cu_q", "const int* __restrict__ cu_kv"] if self.packed else [])
                 + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in ("q", "k", "v", "do")]
                 + ["int heads", "int kv_heads", "int groups", "int sq", "int sk", "int d", "int bottom_right",
@@ -118,15 +123,18 @@ class AttentionRowsSpec(KernelSpec):
     dtype: str
     hd: int
     stage: str
+    packed: bool = False  # sequences packed along S (pointer cu_seqlens_q after the others)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.hd, HEAD_TILES, "hd")
         one_of(self.stage, ("prep", "dq"), "stage")
+        one_of(self.packed, (False, True), "packed")
 
     @property
     def uri(self) -> str:
-        return f"attention/bwd_{self.stage}/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}"
+        return f"attention/bwd_{self.stage}/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + (
+            "/packed" if self.packed else "")
 
     @property
     def entry(self) -> str:
@@ -138,8 +146,9 @@ class AttentionRowsSpec(KernelSpec):
         pointers = ([io + "o", io + "dout", "const float* __restrict__ lse", "float* __restrict__ stats",
                      "float* __restrict__ dq_acc"] if self.stage == "prep"
                     else ["io_t* __restrict__ dq", "const float* __restrict__ dq_acc"])
+        pointers += ["const int* __restrict__ cu_q"] if self.packed else []
         return {"io_t": _CTYPE[self.dtype], "hd": self.hd, "rows": ROW_WARPS, "stage": self.stage,
-                "params": pointers + ["int total", "int heads", "int sq", "int sq_pad", "int d"]
+                "packed": self.packed, "params": pointers + ["int total", "int heads", "int sq", "int sq_pad", "int d"]
                 + (["float scale"] if self.stage == "dq" else []) + strides}
 
 
@@ -162,10 +171,13 @@ def spec_for(dtype: str, d: int, *, causal: bool, **features) -> AttentionBackwa
 def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Operand, *, causal: bool = False,
                        alignment: str = "top_left", scale: float | None = None, strides: dict | None = None,
                        spec: AttentionBackwardSpec | None = None, window: tuple | None = None,
-                       softcap: float | None = None, alibi: bool = False, lens: bool = False) -> Plan:
+                       softcap: float | None = None, alibi: bool = False, lens: bool = False,
+                       packed: tuple | None = None) -> Plan:
     """The three launches. Operands (B, H, S, D); o and do have q's dims, any strides; lse is
     (B, Hq, Sq) float32 packed. ``strides``: element strides of "dq", "dk", "dv" (packed BHSD
-    by default). ``window``, ``softcap``, ``alibi``, ``lens``: the forward's (attention.plan_sdpa).
+    by default). ``window``, ``softcap``, ``alibi``, ``lens``: the forward's (attention.plan_sdpa);
+    ``packed``: (sequences, longest query, longest key sequence) packed along S of operands with
+    B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S)).
     Pointer roles: q, k, v, o, do, stats (the lse), dq, dk, dv (seq_lens_q, seq_lens_kv,
     alibi_slopes with their options); scratch 0 the dQ sum, 1 the row statistics."""
     groups = check(q, k, v)
@@ -183,15 +195,20 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
             raise UnsupportedError(f"{role}: {op.dtype} {list(op.shape)}; needs query's {q.dtype} "
                                    f"{list(q.shape)}", arg=role)
     one_of(alignment, ALIGNMENTS, "alignment")
+    rows_q, rows_k = sq, sk
+    if packed is not None:
+        if b != 1 or k.shape[0] != 1:
+            raise ValidationError(f"query: batch {b}; packed sequences lie along S of a batch of 1", arg="query")
+        b, rows_q, rows_k = packed
     spec = spec or spec_for(q.dtype, d, causal=causal, window=window is not None, softcap=softcap is not None,
-                            alibi=alibi, lens=lens)
+                            alibi=alibi, lens=lens, packed=packed is not None)
     left, right = window_sides(window, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     strides = strides or {}
-    packed = lambda dims: (dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1)  # noqa: E731
-    dq_s, dk_s, dv_s = (strides.get(r) or packed(dims) for r, dims in (("dq", q.shape), ("dk", k.shape),
+    dense = lambda dims: (dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1)  # noqa: E731
+    dq_s, dk_s, dv_s = (strides.get(r) or dense(dims) for r, dims in (("dq", q.shape), ("dk", k.shape),
                                                                        ("dv", v.shape)))
-    m_tiles, n_tiles = -(-sq // BM), -(-sk // spec.bn)
+    m_tiles, n_tiles = -(-rows_q // BM), -(-rows_k // spec.bn)
     sq_pad = m_tiles * BM
     rows = b * hq * sq_pad
     if rows * spec.hd >= 2 ** 31 or b * hkv * n_tiles >= 2 ** 31:
@@ -199,12 +216,15 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
     row_grid = (-(-rows // ROW_WARPS), 1, 1)
     row_block = (ROW_WARPS * 32, 1, 1)
     common = (np.int32(rows), np.int32(hq), np.int32(sq), np.int32(sq_pad), np.int32(d))
-    prep = Launch(AttentionRowsSpec(q.dtype, spec.hd, "prep"), row_grid, row_block, 0,
-                  ("o", "do", "stats", "scratch1", "scratch0"),
+    cu = ("cu_seqlens_q",) if packed is not None else ()
+    prep = Launch(AttentionRowsSpec(q.dtype, spec.hd, "prep", packed is not None), row_grid, row_block, 0,
+                  ("o", "do", "stats", "scratch1", "scratch0") + cu,
                   common + tuple(np.int64(x) for x in o.strides[:3] + do.strides[:3]))
     main = Launch(spec, (b * hkv * n_tiles, 1, 1), (spec.threads, 1, 1), spec.smem_bytes,
                   ("dk", "dv", "q", "k", "v", "do", "scratch0", "scratch1")
-                  + (("seq_lens_q", "seq_lens_kv") if lens else ()) + (("alibi_slopes",) if alibi else ()),
+                  + (("seq_lens_q", "seq_lens_kv") if lens else ())
+                  + (("cu_seqlens_q", "cu_seqlens_kv") if packed is not None else ())
+                  + (("alibi_slopes",) if alibi else ()),
                   (_map(2, q, BM), _map(3, k, spec.bn), _map(4, v, spec.bn), _map(5, do, BM),
                    *(np.int32(x) for x in (hq, hkv, groups, sq, sk, d, alignment == "bottom_right", left, right,
                                           n_tiles, m_tiles, sq_pad)),
@@ -212,7 +232,8 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
                    *((np.float32(scale / softcap), np.float32(softcap * math.log2(math.e))) if softcap is not None
                      else ()),
                    *(np.int64(x) for x in dk_s[:3] + dv_s[:3])))
-    finish = Launch(AttentionRowsSpec(q.dtype, spec.hd, "dq"), row_grid, row_block, 0, ("dq", "scratch0"),
+    finish = Launch(AttentionRowsSpec(q.dtype, spec.hd, "dq", packed is not None), row_grid, row_block, 0,
+                    ("dq", "scratch0") + cu,
                     common + (np.float32(scale),) + tuple(np.int64(x) for x in dq_s[:3]))
     return Plan((prep, main, finish), scratch=(rows * spec.hd * 4, rows * 8))
 

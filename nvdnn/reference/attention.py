@@ -163,13 +163,21 @@ def _sum_groups(x, groups: int):
 def scaled_dot_product_attention_backward(grad_out, query, key, value, output, lse, attn_mask=None, is_causal=False,
                                           scale=None, enable_gqa=False, *, alignment="top_left", window=None,
                                           alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
-                                          seq_lens_kv=None, dropout_p=0.0, dropout_mask=None):
+                                          seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
+                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None):
     """(dq, dk, dv, dmask, dsinks) from the forward's o and lse (p recomputed as exp(s - lse)):
     dv = p_dropped^T do, dp = do v^T (dropped as p was), ds = p * (dp - rowsum(do * o)), through
     tanh's derivative when soft-capping; dq = scale * ds k, dk = scale * ds^T q (key / value
     gradients summed over their query heads). dmask: the gradient of a float attn_mask, summed
     to its shape (None otherwise); dsinks (Hq,): -sum over rows of exp(sink - lse) * rowsum(do * o)
-    (None without sinks)."""
+    (None without sinks). ``cu_seqlens_q`` / ``cu_seqlens_kv``: packed sequences of (T, H, D)
+    tensors, lse (Hq, T), each sequence's gradients its own (dmask None)."""
+    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        options = {name: value for name, value in locals().items() if name not in (
+            "grad_out", "query", "key", "value", "output", "lse", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q",
+            "max_seqlen_kv")}
+        return _varlen_backward(grad_out, query, key, value, output, lse, np.asarray(cu_seqlens_q),
+                                np.asarray(cu_seqlens_kv), options)
     do, q, k, v, o, lse = _f64(grad_out), _f64(query), _f64(key), _f64(value), _f64(output), _f64(lse)
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, _, tanh = _scores(q, k, groups, **_options(locals()))
@@ -194,6 +202,20 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
         total = -(sink_p * rows[..., 0])
         dsinks = total.reshape((-1,) + total.shape[-2:]).sum(axis=(0, 2))
     return dq, dk, dv, dmask, dsinks
+
+
+def _varlen_backward(do, q, k, v, o, lse, cu_q, cu_kv, options):
+    """scaled_dot_product_attention_backward sequence by sequence over packed (T, H, D) tensors."""
+    t = lambda x: np.swapaxes(_f64(x), 0, 1)  # noqa: E731 - (T, H, D) <-> (H, T, D)
+    grads, dsinks = ([], [], []), None
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_kv[b], cu_kv[b + 1])
+        dq, dk, dv, _, ds = scaled_dot_product_attention_backward(t(do[qs]), t(q[qs]), t(k[ks]), t(v[ks]), t(o[qs]),
+                                                                  _f64(lse)[:, qs], **options)
+        for into, g in zip(grads, (dq, dk, dv)):
+            into.append(t(g))
+        dsinks = ds if dsinks is None else dsinks + ds if ds is not None else None
+    return (*(np.concatenate(g, axis=0) for g in grads), None, dsinks)
 
 
 def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_kv, **options):
