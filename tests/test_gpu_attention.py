@@ -28,15 +28,46 @@ SHAPES = {
 }
 # abs error bound for values of v in [-1, 1]: P rounds to 16 bits before P V, O to 16 bits
 TOL = {"float16": 4e-3, "bfloat16": 2e-2}
-CASES = [dict(shape=name, dtype=dtype, causal=causal, alignment=alignment, layout=layout)
-         for i, name in enumerate(SHAPES) for dtype in ("bfloat16", "float16")
-         for causal, alignment in ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
-         for layout in (("BHSD", "BSHD")[(i + len(dtype) + causal) % 2],)]
+
+
+def cases(shapes: dict) -> list:
+    """Each shape in both types, causal in neither and both alignments, BHSD or BSHD in turn."""
+    return [dict(shape=name, dtype=dtype, causal=causal, alignment=alignment, layout=layout)
+            for i, name in enumerate(shapes) for dtype in ("bfloat16", "float16")
+            for causal, alignment in ((False, "top_left"), (True, "top_left"), (True, "bottom_right"))
+            for layout in (("BHSD", "BSHD")[(i + len(dtype) + causal) % 2],)]
+
+
+CASES = cases(SHAPES)
 
 
 def _array(shape, dtype, layout, rng):
     """A device array of logical (B, H, S, D) ``shape`` in ``layout`` memory and its float64 value."""
     return laid_out(shape, dtype, (0, 2, 1, 3) if layout == "BSHD" else (0, 1, 2, 3), rng)
+
+
+def feature_case(d: int, options: dict, rng, roles: str = "qkv"):
+    """The feature tests' inputs, bf16 (B 3, Hq 4, Hkv 2, Sq 200, Sk 333), q and do BSHD, k and v
+    BHSD, as {role: (device, float64)}, and ``options`` (host lists for vectors) as device and
+    host keywords."""
+    shapes = {"q": ((3, 4, 200, d), "BSHD"), "k": ((3, 2, 333, d), "BHSD"), "v": ((3, 2, 333, d), "BHSD"),
+              "do": ((3, 4, 200, d), "BSHD")}
+    arrays = {role: _array(*shapes[role][:1], "bfloat16", shapes[role][1], rng) for role in roles}
+    import cupy
+    device = {key: cupy.asarray(np.asarray(value, np.int32 if key.startswith("seq") else np.float32))
+              if isinstance(value, list) else value for key, value in options.items()}
+    host = {key: np.asarray(value) if isinstance(value, list) else value for key, value in options.items()}
+    return arrays, device, host
+
+
+def packed_case(d: int, rng, roles=("q", "k", "v")):
+    """Packed sequences of query lengths 7, 300, 0, 129, 1 and key lengths 7, 250, 5, 129, 64
+    (GQA 4 / 2 heads), bf16 (T, H, D): {role: (device, float64)}, cu_seqlens_q, cu_seqlens_kv."""
+    import cupy
+    cu_q, cu_kv = (np.cumsum([0] + lens).astype(np.int32) for lens in ([7, 300, 0, 129, 1], [7, 250, 5, 129, 64]))
+    shape = {"q": (cu_q[-1], 4, d), "do": (cu_q[-1], 4, d), "k": (cu_kv[-1], 2, d), "v": (cu_kv[-1], 2, d)}
+    host = {role: rng.uniform(-1, 1, shape[role]).astype(ml_dtypes.bfloat16) for role in roles}
+    return {role: (cupy.asarray(x), x.astype(np.float64)) for role, x in host.items()}, cu_q, cu_kv
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
@@ -150,18 +181,11 @@ def test_sdpa_features_match_float64(name, d):
     import cupy
 
     import nvdnn
-    rng = np.random.default_rng()
-    b, hq, hkv, sq, sk = 3, 4, 2, 200, 333
-    q, q64 = _array((b, hq, sq, d), "bfloat16", "BSHD", rng)
-    k, k64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
-    v, v64 = _array((b, hkv, sk, d), "bfloat16", "BHSD", rng)
-    options = dict(FEATURES[name])
-    device = {key: cupy.asarray(np.asarray(value, np.int32 if key.startswith("seq") else np.float32))
-              if isinstance(value, list) else value for key, value in options.items()}
-    out = cupy.full((b, hq, sq, d), np.nan, dtype=q.dtype)
-    poison_next_allocation(b * hq * sq * 4)  # lse, which the call allocates
+    arrays, device, host = feature_case(d, FEATURES[name], np.random.default_rng())
+    (q, q64), (k, k64), (v, v64) = arrays.values()
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    poison_next_allocation(4 * 200 * 3 * 4)  # lse, which the call allocates
     o, lse = nvdnn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, out=out, **device)
-    host = {key: np.asarray(value) if isinstance(value, list) else value for key, value in options.items()}
     want, want_lse = nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, enable_gqa=True, return_lse=True,
                                                                   **host)
     got, got_lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
@@ -182,14 +206,8 @@ def test_sdpa_packed_sequences_match_float64(d, causal, alignment):
     import cupy
 
     import nvdnn
-    rng = np.random.default_rng()
-    lens_q, lens_kv = [7, 300, 0, 129, 1], [7, 250, 5, 129, 64]
-    cu_q, cu_kv = np.cumsum([0] + lens_q).astype(np.int32), np.cumsum([0] + lens_kv).astype(np.int32)
-    hq, hkv = 4, 2
-    q64 = rng.uniform(-1, 1, (cu_q[-1], hq, d))
-    k64, v64 = (rng.uniform(-1, 1, (cu_kv[-1], hkv, d)) for _ in range(2))
-    q, k, v = (cupy.asarray(x.astype(ml_dtypes.bfloat16)) for x in (q64, k64, v64))
-    q64, k64, v64 = (cupy.asnumpy(x).astype(np.float64) for x in (q, k, v))
+    arrays, cu_q, cu_kv = packed_case(d, np.random.default_rng())
+    (q, q64), (k, k64), (v, v64) = arrays.values()
     out = cupy.full(q.shape, np.nan, q.dtype)
     o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, alignment=alignment,
                                                 cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_kv=cu_kv,
@@ -198,7 +216,7 @@ def test_sdpa_packed_sequences_match_float64(d, causal, alignment):
                                                                   alignment=alignment, cu_seqlens_q=cu_q,
                                                                   cu_seqlens_kv=cu_kv, return_lse=True)
     got, got_lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
-    assert o is out and lse.shape == (hq, cu_q[-1])
+    assert o is out and lse.shape == (4, cu_q[-1])
     assert not np.isnan(got).any(), "NaN left in the output"
     assert np.abs(got - want).max() <= TOL["bfloat16"]
     empty = np.isneginf(want_lse)

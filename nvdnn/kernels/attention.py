@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -39,8 +40,33 @@ DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (64, 2)}
 FEATURE_TILES = {**DEFAULT_TILES, 128: (128, 2)}
 
 
+class AttentionKernel(KernelSpec):
+    """What the forward's and the backward's specs share: CONSUMERS warpgroups and a producer,
+    flags in ``features`` order (the uri's), an sm_90a build."""
+    features: ClassVar[tuple] = ()
+
+    def validate_flags(self) -> None:
+        for name in ("causal",) + self.features:
+            one_of(getattr(self, name), (False, True), name)
+        if self.lens and self.packed:
+            raise ValidationError("packed: packed sequences carry their own lengths; lens is for a padded batch",
+                                  arg="packed")
+
+    @property
+    def threads(self) -> int:
+        return (self.consumers + 1) * 128
+
+    @property
+    def flags_uri(self) -> str:
+        return ("/causal" if self.causal else "") + "".join(f"/{name}" for name in self.features
+                                                             if getattr(self, name))
+
+    def target_arch(self, arch: str) -> str:
+        return "sm_90a" if arch == "sm_90" else arch
+
+
 @dataclass(frozen=True)
-class AttentionSpec(KernelSpec):
+class AttentionSpec(AttentionKernel):
     """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``,
     seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, cu_seqlens_q and cu_seqlens_kv
     (int32, one more than the sequences) with ``packed``, alibi_slopes and sinks
@@ -51,6 +77,7 @@ class AttentionSpec(KernelSpec):
     family = "attention"
     template = "attention/forward.cu.j2"
     tile_fields = ("bn", "stages", "consumers", "persistent")
+    features = FEATURES
 
     dtype: str
     hd: int                 # HEAD_TILES: the head dim rounded up to 64 columns
@@ -70,17 +97,12 @@ class AttentionSpec(KernelSpec):
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.hd, HEAD_TILES, "hd")
-        one_of(self.causal, (False, True), "causal")
         one_of(self.lse, (False, True), "lse")
         one_of(self.bn, KEY_TILES, "bn")
         one_of(self.stages, (2, 3, 4), "stages")
         one_of(self.consumers, (1, 2), "consumers")
         one_of(self.persistent, (False, True), "persistent")
-        for name in FEATURES:
-            one_of(getattr(self, name), (False, True), name)
-        if self.lens and self.packed:
-            raise ValidationError("packed: packed sequences carry their own lengths; lens is for a padded batch",
-                                  arg="packed")
+        self.validate_flags()
         held = self.hd // 2 + self.bn // 2 + self.bn // 4
         if held > REGISTERS:
             raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
@@ -94,10 +116,6 @@ class AttentionSpec(KernelSpec):
         return 64 * self.consumers
 
     @property
-    def threads(self) -> int:
-        return (self.consumers + 1) * 128
-
-    @property
     def smem_bytes(self) -> int:
         """Q's tile, the K and V ring, the barriers, and 1 KB to align the swizzled tiles."""
         return 1024 + (self.bm + 2 * self.stages * self.bn) * self.hd * 2 + 8 * (2 + 3 * self.stages)
@@ -108,16 +126,13 @@ class AttentionSpec(KernelSpec):
 
     @property
     def uri(self) -> str:
-        return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
-                + "".join(f"/{name}" for name in FEATURES if getattr(self, name)) + ("/lse" if self.lse else "")
+        return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + self.flags_uri
+                + ("/lse" if self.lse else "")
                 + f"/{self.bm}x{self.bn}s{self.stages}" + ("" if self.persistent else "/grid"))
 
     @property
     def entry(self) -> str:
         return "nvdnn_attention_fwd"
-
-    def target_arch(self, arch: str) -> str:
-        return "sm_90a" if arch == "sm_90" else arch
 
     def render_context(self) -> dict:
         io = "const io_t* __restrict__ "

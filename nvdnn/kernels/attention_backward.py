@@ -20,7 +20,8 @@ from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
-from .attention import _CTYPE, _PTX, ALIGNMENTS, DTYPES, _map, check, head_tile, unreadable, window_sides
+from .attention import (_CTYPE, _PTX, ALIGNMENTS, DTYPES, AttentionKernel, _map, check, head_tile, unreadable,
+                        window_sides)
 from .matmul.specs import SMEM_LIMIT
 from .pointwise import Operand
 
@@ -31,7 +32,7 @@ ROW_WARPS = 8           # rows a block of the row launches
 
 
 @dataclass(frozen=True)
-class AttentionBackwardSpec(KernelSpec):
+class AttentionBackwardSpec(AttentionKernel):
     """The dK / dV / dQ-sum kernel. Pointers: dk, dv, q, k, v, do, the dQ sum, the row
     statistics; tensor maps of q, k, v, do; then heads, kv_heads, groups, sq, sk, d,
     bottom_right, n_tiles, m_tiles, sq_pad, scale_log2, scale, and dk's and dv's batch / head /
@@ -39,6 +40,7 @@ class AttentionBackwardSpec(KernelSpec):
     family = "attention_bwd"
     template = "attention/backward.cu.j2"
     tile_fields = ("stages", "dq_split")
+    features = FEATURES
 
     dtype: str
     hd: int
@@ -55,15 +57,10 @@ class AttentionBackwardSpec(KernelSpec):
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
         one_of(self.hd, HEAD_TILES, "hd")
-        one_of(self.causal, (False, True), "causal")
         one_of(self.stages, (2, 3), "stages")
         one_of(self.consumers, (2,), "consumers")
         one_of(self.dq_split, (False, True), "dq_split")
-        for name in FEATURES:
-            one_of(getattr(self, name), (False, True), name)
-        if self.lens and self.packed:
-            raise ValidationError("packed: packed sequences carry their own lengths; lens is for a padded batch",
-                                  arg="packed")
+        self.validate_flags()
         if self.smem_bytes > SMEM_LIMIT:
             raise UnsupportedError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
                                    arg="stages")
@@ -73,10 +70,6 @@ class AttentionBackwardSpec(KernelSpec):
         return 64 * self.consumers
 
     @property
-    def threads(self) -> int:
-        return (self.consumers + 1) * 128
-
-    @property
     def smem_bytes(self) -> int:
         """K and V, the Q and dO ring with its statistics, dS^T, the barriers, 1 KB to align."""
         return (1024 + 2 * self.bn * self.hd * 2 + self.stages * (2 * BM * self.hd * 2 + BM * 8)
@@ -84,16 +77,12 @@ class AttentionBackwardSpec(KernelSpec):
 
     @property
     def uri(self) -> str:
-        return (f"attention/bwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + ("/causal" if self.causal else "")
-                + "".join(f"/{name}" for name in FEATURES if getattr(self, name))
+        return (f"attention/bwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + self.flags_uri
                 + f"/{self.bn}x{BM}s{self.stages}" + ("/dqsplit" if self.dq_split else ""))
 
     @property
     def entry(self) -> str:
         return "nvdnn_attention_bwd"
-
-    def target_arch(self, arch: str) -> str:
-        return "sm_90a" if arch == "sm_90" else arch
 
     def render_context(self) -> dict:
         io = "const io_t* __restrict__ "
