@@ -270,6 +270,13 @@ TRANSFORMER_LAYERS = (
     layer("attention", "sdpa", {"q": io("batch", "heads", "seq", "head_dim"),
                                      "k": io("batch", "kv_heads", "seq", "head_dim"),
                                      "v": io("batch", "kv_heads", "seq", "head_dim")}, {"causal": True}),
+    layer("attention backward", "sdpa_backward", {"q": io("batch", "heads", "seq", "head_dim"),
+                                                  "k": io("batch", "kv_heads", "seq", "head_dim"),
+                                                  "v": io("batch", "kv_heads", "seq", "head_dim"),
+                                                  "o": io("batch", "heads", "seq", "head_dim"),
+                                                  "do": io("batch", "heads", "seq", "head_dim"),
+                                                  "stats": f32("batch", "heads", "seq")}, {"causal": True},
+          only={"training": True}),
     layer("softmax", "softmax", {"x": _SCORES}, {"axis": -1}),
     layer("softmax causal", "softmax", {"x": _SCORES}, {"axis": -1, "causal": True}),
     layer("softmax backward", "softmax_backward", {"dy": _SCORES, "y": _SCORES}, {"axis": -1},
@@ -303,7 +310,7 @@ TRANSFORMER = Model(
     "transformer", "one decoder layer: layer / RMS norm (+residual, training forward, backward), softmax "
     "(+causal, backward), bias + GELU / SiLU, SiLU * up, the projections as nn.Linear layers (x @ w.T + b; "
     "the MLP's up projection with GELU; a gated MLP's gate and up without bias), causal attention (fused "
-    "SDPA: o and the rows' log-sum-exp)",
+    "SDPA: o and the rows' log-sum-exp; training: its backward, dQ, dK, dV)",
     (Param("hidden", "int", "4096", "hidden size"),
      Param("heads", "int", "32", "attention heads"),
      Param("head_dim", "int", "128", "size of one head"),
