@@ -114,6 +114,8 @@ def main():
     parser.add_argument("--backward", action="store_true", help="time the backward (head dims up to 128)")
     parser.add_argument("--dq-split", action="store_true",
                         help="backward: the warpgroups split dQ's columns at every head dim (an experiment)")
+    parser.add_argument("--defer-dq", action="store_true",
+                        help="backward: dQ's sums go out beside the next step's products (an experiment)")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
@@ -122,10 +124,11 @@ def main():
     for tile in args.tile:
         d, bn, stages = (int(v) for v in tile.split(":"))
         attention.DEFAULT_TILES[d] = (bn, stages)
-    if args.dq_split:
+    if args.dq_split or args.defer_dq:
         from nvdnn.kernels import attention_backward
         spec_for = attention_backward.spec_for
-        attention_backward.spec_for = lambda *a, **k: dataclasses.replace(spec_for(*a, **k), dq_split=True)
+        change = {name: True for name, on in (("dq_split", args.dq_split), ("defer_dq", args.defer_dq)) if on}
+        attention_backward.spec_for = lambda *a, **k: dataclasses.replace(spec_for(*a, **k), **change)
     if args.grid:
         tile_for = attention.tile_for
         attention.tile_for = lambda *a, **k: dataclasses.replace(tile_for(*a, **k), persistent=False)

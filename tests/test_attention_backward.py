@@ -74,10 +74,11 @@ def _sass(spec, tmp_path) -> str:
     return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
 
 
-@pytest.mark.parametrize("hd,causal,dtype,split", [(64, True, "float16", False), (64, False, "bfloat16", True),
-                                                   (128, False, "bfloat16", False), (128, True, "bfloat16", True)])
-def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, tmp_path):
-    sass = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split), tmp_path)
+@pytest.mark.parametrize("hd,causal,dtype,split,defer", [
+    (64, True, "float16", False, False), (64, False, "bfloat16", True, True), (128, False, "bfloat16", False, False),
+    (128, True, "bfloat16", True, False), (64, False, "float16", False, True)])
+def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, defer, tmp_path):
+    sass = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split, defer_dq=defer), tmp_path)
     kind = {"bfloat16": ".BF16", "float16": ""}[dtype]
     products = re.findall(r"HGMMA\.(64x\d+)x16\.F32(\S*) R\d+, gdesc\[\w+\](\S*),", sass)
     assert products.count(("64x64", kind, "")) == 2 * hd // 16  # S^T and dP^T, K-major from shared memory
@@ -86,6 +87,15 @@ def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype
     assert f"HGMMA.64x{hd}x16.F32{kind} R" in sass and ".tnspB" in sass      # dV, dK: P, dS from registers
     assert "RED.E.ADD.F32" in sass or "REDG.E.ADD.F32" in sass                # dQ's sums
     assert "STL" not in sass and "LDL" not in sass
+
+
+def test_preset_kernels_compile_without_spills_or_serialized_mma():
+    for spec in family.preset():
+        result = compiler.compile_cubin(codegen.render(spec), name="attention_bwd.cu",
+                                        options=compiler.options_for(spec.target_arch("sm_90")))
+        assert result.spill_bytes == 0 and "C7512" not in result.log and "C7513" not in result.log, spec.uri
+    with pytest.raises(ValidationError, match="defer_dq"):
+        AttentionBackwardSpec("bfloat16", 128, False, dq_split=True, defer_dq=True)
 
 
 def _bf16(shape):

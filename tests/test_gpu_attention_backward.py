@@ -53,17 +53,23 @@ def test_sdpa_backward_matches_float64(case):
     _check_case(case)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["dtype"] == "bfloat16"],
-                         ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_dq_split_variant_matches_float64(case, monkeypatch):
-    """The variant whose warpgroups split dQ's columns (both warpgroups' dS^T shared; at d64 32
-    columns each, the second half read 64 bytes into K's swizzled rows)."""
+VARIANTS = [(case, variant) for case in CASES if case["dtype"] == "bfloat16" and case["alignment"] == "top_left"
+            for variant in (dict(dq_split=True), dict(defer_dq=True), dict(dq_split=True, defer_dq=True))
+            if "defer_dq" not in variant or SHAPES[case["shape"]][-1] <= 64]
+
+
+@pytest.mark.parametrize("case,variant", VARIANTS,
+                         ids=["-".join(str(v) for v in c.values()) + "-" + "+".join(v) for c, v in VARIANTS])
+def test_kernel_variants_match_float64(case, variant, monkeypatch):
+    """The variants: warpgroups that split dQ's columns (both warpgroups' dS^T shared; at d64 32
+    columns each, the second half read 64 bytes into K's swizzled rows), dQ's sums sent beside
+    the next step's products (d64), both."""
     import dataclasses
 
     from nvdnn import callsite, functional_attention_backward
     from nvdnn.kernels import attention_backward as family
     spec_for = family.spec_for
-    monkeypatch.setattr(family, "spec_for", lambda *a, **k: dataclasses.replace(spec_for(*a, **k), dq_split=True))
+    monkeypatch.setattr(family, "spec_for", lambda *a, **k: dataclasses.replace(spec_for(*a, **k), **variant))
     monkeypatch.setattr(functional_attention_backward, "_PLANS", {})
     monkeypatch.setattr(callsite, "_REPLAYS", {})
     _check_case(case)

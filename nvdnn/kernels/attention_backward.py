@@ -39,7 +39,7 @@ class AttentionBackwardSpec(AttentionKernel):
     row strides."""
     family = "attention_bwd"
     template = "attention/backward.cu.j2"
-    tile_fields = ("stages", "dq_split")
+    tile_fields = ("stages", "dq_split", "defer_dq")
     features = FEATURES
 
     dtype: str
@@ -48,6 +48,7 @@ class AttentionBackwardSpec(AttentionKernel):
     stages: int = 2      # Q / dO tiles in flight
     consumers: int = 2   # warpgroups of 64 keys each
     dq_split: bool = False  # dQ over the block's keys, half the head dim a warpgroup
+    defer_dq: bool = False  # a step's dQ sums go out beside the next step's dV, dK (d64, no masks)
     window: bool = False    # the forward's options (attention.FEATURES but sinks, which leave dQ, dK,
     softcap: bool = False   # dV as they are given lse): the same masks and scores, softcap's
     alibi: bool = False     # derivative in dS
@@ -60,6 +61,10 @@ class AttentionBackwardSpec(AttentionKernel):
         one_of(self.stages, (2, 3), "stages")
         one_of(self.consumers, (2,), "consumers")
         one_of(self.dq_split, (False, True), "dq_split")
+        one_of(self.defer_dq, (False, True), "defer_dq")
+        if self.defer_dq and self.hd != 64:
+            raise ValidationError(f"defer_dq: head dim {self.hd}; at 128 the kept dQ registers serialize the MMAs "
+                                  "(ptxas C7512)", arg="defer_dq")
         self.validate_flags()
         if self.smem_bytes > SMEM_LIMIT:
             raise UnsupportedError(f"stages: {self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}",
@@ -78,7 +83,8 @@ class AttentionBackwardSpec(AttentionKernel):
     @property
     def uri(self) -> str:
         return (f"attention/bwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + self.flags_uri
-                + f"/{self.bn}x{BM}s{self.stages}" + ("/dqsplit" if self.dq_split else ""))
+                + f"/{self.bn}x{BM}s{self.stages}" + ("/dqsplit" if self.dq_split else "")
+                + ("/deferdq" if self.defer_dq else ""))
 
     @property
     def entry(self) -> str:
@@ -88,6 +94,7 @@ class AttentionBackwardSpec(AttentionKernel):
         io = "const io_t* __restrict__ "
         return {"io_t": _CTYPE[self.dtype], "kind": _PTX[self.dtype], "hd": self.hd, "stages": self.stages,
                 "consumers": self.consumers, "causal": self.causal, "dq_split": self.dq_split,
+                "defer_dq": self.defer_dq,
                 "ranged": self.causal or self.window, **{name: getattr(self, name) for name in FEATURES},
                 "params": ["io_t* __restrict__ dk_ptr", "io_t* __restrict__ dv_ptr", io + "q", io + "k", io + "v",
                            io + "dout", "float* __restrict__ dq_acc", "const float* __restrict__ stats"]
