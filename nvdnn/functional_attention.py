@@ -35,6 +35,7 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
     batch = None
     if packed is not None:
+        checks.unmeasured("scaled_dot_product_attention", "packed-sequence kernel", "cu_seqlens_q")
         metas, batch = _check_packed(metas, *packed, seq_lens_q, seq_lens_kv), len(packed[0]) - 1
     q, k, v = metas.values()
     for role, meta in metas.items():
@@ -60,8 +61,8 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         raise UnsupportedError(f"value: head dims {q.shape[-1]} (query) and {v.shape[-1]} (value); the kernel takes "
                                f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
     if attn_mask is not None:
-        raise UnsupportedError("attn_mask: the attention kernel takes no mask yet (is_causal=True gives the causal "
-                               "one); nvdnn.reference.scaled_dot_product_attention computes any mask", arg="attn_mask")
+        checks.unmeasured("scaled_dot_product_attention", "attn_mask kernel", "attn_mask")
+        _check_mask(attn_mask, q, k, packed is not None)
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise UnsupportedError(f"dropout_p: {dropout_p!r}; the attention kernel has no dropout yet", arg="dropout_p")
     checks.flag(is_causal, "scaled_dot_product_attention", "is_causal")
@@ -75,6 +76,22 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     want = tuple(query.shape) if packed is not None else q.shape
     if out is not None and checks.describe(out, "out").shape != want:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {want}", arg="out")
+
+
+def _check_mask(attn_mask, q, k, packed: bool) -> None:
+    """attn_mask: boolean (keep where true) or query's type (added to the scaled scores), its
+    shape broadcasting to the scores' (..., Hq, Sq, Sk)."""
+    if packed:
+        raise UnsupportedError("attn_mask: packed sequences take no mask yet", arg="attn_mask")
+    meta = checks.describe(attn_mask, "attn_mask", typed=False)
+    kind = str(getattr(attn_mask, "dtype", "")).rsplit(".", 1)[-1]
+    if kind not in ("bool", q.dtype):
+        raise DTypeError(f"attn_mask: data type {kind}; takes bool (keep where true) or query's {q.dtype} (added "
+                         "to the scores)", arg="attn_mask")
+    scores = q.shape[:-1] + (k.shape[-2],)
+    if len(meta.shape) > len(scores) or any(m not in (1, s) for m, s in zip(meta.shape[::-1], scores[::-1])):
+        raise ValidationError(f"attn_mask: shape {meta.shape} does not broadcast to the scores' {scores}",
+                              arg="attn_mask")
 
 
 def _check_packed(metas: dict, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, seq_lens_q, seq_lens_kv) -> dict:
@@ -226,6 +243,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     options = dict(window=None if window is None else tuple(window),
                    softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
                    sinks="sinks" in extra, lens="seq_lens_q" in extra, packed=packed)
+    if attn_mask is not None:
+        mask = arrays.to_device(attn_mask, "attn_mask")[0]
+        mask = cp.broadcast_to(mask, dims[len(dims) - len(query.shape):3] + (ops["k"].shape[2],))
+        extra["attn_mask"] = mask = mask if mask.ndim == 4 else mask[None]
+        options.update(mask="bool" if mask.dtype == np.bool_ else "bias",
+                       mask_strides=tuple(s // mask.itemsize for s in mask.strides))
     if math.prod(dims) and ops["k"].shape[2]:
         key = (device, tuple((r, _signature(a)) for r, a in xs.items()), o_strides, bool(is_causal), alignment,
                None if scale is None else float(scale), bool(return_lse), tuple(options.items()))

@@ -25,6 +25,13 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
     """The forward's rules for query, key and value; grad_out and output of query's shape and type,
     lse (query's dims but the head dim) float32; the head dims the backward takes; the given
     gradient buffers' shapes. Before any device work, the same on every machine."""
+    if attn_mask is not None:
+        raise UnsupportedError("attn_mask: the attention backward takes no mask yet (the forward does); "
+                               "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg="attn_mask")
+    for name, given in (("window", window), ("softcap", softcap), ("alibi_slopes", alibi_slopes),
+                        ("seq_lens_q", seq_lens_q), ("seq_lens_kv", seq_lens_kv), ("cu_seqlens_q", packed)):
+        if given is not None:
+            checks.unmeasured("scaled_dot_product_attention_backward", f"{name} kernel", name)
     for name, given, unset in zip(("sinks", "dropout_p", "dropout_mask"), not_yet, (None, 0.0, None)):
         if given is not unset and not (name == "dropout_p" and given == 0):
             raise UnsupportedError(f"{name}: the attention backward does not take it yet; "

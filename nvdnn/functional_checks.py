@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, dtypes
-from .errors import DeviceError, DTypeError, ValidationError
+from .errors import DeviceError, DTypeError, UnsupportedError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
 from .graph.rules import FLAG, SCALAR, check_dims, check_extent
@@ -108,6 +108,14 @@ def choice(table: dict, value, name: str):
     if not isinstance(value, str) or value not in table:
         raise ValidationError(f"{name}: {value!r} is not one of {', '.join(table)}", arg=name)
     return table[value]
+
+
+def unmeasured(where: str, what: str, arg: str) -> None:
+    """Refuse an option whose kernel has not yet been checked on a GPU, unless NVDNN_UNMEASURED=1."""
+    from . import config
+    if not config.get("NVDNN_UNMEASURED"):
+        raise UnsupportedError(f"{arg}: {where}'s {what} is written but not yet measured against the float64 "
+                               "reference on a GPU; set NVDNN_UNMEASURED=1 to use it", arg=arg)
 
 
 def flag(value, where: str, name: str) -> bool:

@@ -13,6 +13,12 @@ from .gpu import laid_out, poison_next_allocation, requires_gpu
 
 pytestmark = requires_gpu
 
+
+@pytest.fixture(autouse=True)
+def _measuring(monkeypatch):
+    """These tests are the measurement the options behind NVDNN_UNMEASURED wait for."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+
 # (B, Hq, Hkv, Sq, Sk, D)
 SHAPES = {
     "one": (1, 2, 2, 1, 1, 64),
@@ -221,4 +227,45 @@ def test_sdpa_packed_sequences_match_float64(d, causal, alignment):
     assert np.abs(got - want).max() <= TOL["bfloat16"]
     empty = np.isneginf(want_lse)
     assert (np.isneginf(got_lse) == empty).all()
+    assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse[~empty]).max())
+
+
+MASKS = {  # name: (mask shape given (B 3, Hq 4, Sq 200, Sk 333 scores), bool or bias, causal)
+    "bool_full": ((3, 4, 200, 333), "bool", False),
+    "bool_rows_broadcast": ((200, 333), "bool", True),
+    "bool_heads_broadcast": ((3, 1, 200, 333), "bool", False),
+    "bias_full": ((3, 4, 200, 333), "bias", False),
+    "bias_keys_only": ((1, 4, 1, 333), "bias", True),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", MASKS)
+def test_sdpa_attn_mask_matches_float64(name, d):
+    """attn_mask, boolean (keep where true; some rows keep nothing: zeros, lse -inf) or a bias of
+    query's type, full or broadcast over batch, heads or rows, with and without causal."""
+    import cupy
+
+    import nvdnn
+    rng = np.random.default_rng()
+    arrays, _, _ = feature_case(d, {}, rng)
+    (q, q64), (k, k64), (v, v64) = arrays.values()
+    shape, kind, causal = MASKS[name]
+    if kind == "bool":
+        host = rng.uniform(size=shape) < 0.7
+        host[..., 5, :] = False  # a row that keeps no key
+        mask = cupy.asarray(host)
+    else:
+        host = rng.uniform(-3, 3, shape).astype(ml_dtypes.bfloat16)
+        mask, host = cupy.asarray(host), host.astype(np.float64)
+    out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                                return_lse=True, out=out)
+    want, want_lse = nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, attn_mask=host, is_causal=causal,
+                                                                  enable_gqa=True, return_lse=True)
+    got, got_lse = cupy.asnumpy(o).astype(np.float64), cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(got).any(), f"{name}: NaN left in the output"
+    assert np.abs(got - want).max() <= TOL["bfloat16"], name
+    empty = np.isneginf(want_lse)
+    assert (np.isneginf(got_lse) == empty).all(), f"{name}: rows with no key should have lse -inf, and only they"
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse[~empty]).max())

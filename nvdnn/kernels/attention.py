@@ -30,6 +30,7 @@ HEAD_TILES = (64, 128, 192, 256)      # the head dim padded to 64-column (128-by
 KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 16
 REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
+MASKS = ("", "bias", "bool")  # attn_mask kinds: none, an additive bias of q's type, keep where true
 FEATURES = ("window", "softcap", "alibi", "sinks", "lens", "packed")  # the flags beyond causal, in uri order
 UNBOUNDED = 1 << 29                                 # a window side that keeps every key
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
@@ -38,6 +39,9 @@ _PTX = {"float16": "f16", "bfloat16": "bf16"}
 DEFAULT_TILES = {64: (128, 3), 128: (176, 2), 192: (96, 2), 256: (64, 2)}
 # with a FEATURES flag on (more state and work a score): tiles that keep it all in registers
 FEATURE_TILES = {**DEFAULT_TILES, 128: (128, 2)}
+# with a bias attn_mask (its loads in flight too): d128 spilled 24-32 bytes at 128 keys, none at 96;
+# d256 spills 120-156 bytes at any tile
+BIAS_TILES = {**FEATURE_TILES, 128: (96, 2)}
 
 
 class AttentionKernel(KernelSpec):
@@ -93,6 +97,7 @@ class AttentionSpec(AttentionKernel):
     sinks: bool = False      # a logit per query head joins each row's sum, with no value
     lens: bool = False       # per-batch query and key lengths (padded sequences)
     packed: bool = False     # variable-length sequences packed along S of a batch of 1 (cu_seqlens)
+    mask: str = ""           # attn_mask: "bias" (q's type, added to the scaled scores), "bool" (keep where true)
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -102,7 +107,10 @@ class AttentionSpec(AttentionKernel):
         one_of(self.stages, (2, 3, 4), "stages")
         one_of(self.consumers, (1, 2), "consumers")
         one_of(self.persistent, (False, True), "persistent")
+        one_of(self.mask, MASKS, "mask")
         self.validate_flags()
+        if self.mask and self.packed:
+            raise ValidationError("mask: packed sequences take no attn_mask yet", arg="mask")
         held = self.hd // 2 + self.bn // 2 + self.bn // 4
         if held > REGISTERS:
             raise ValidationError(f"bn: {self.bn} keys at head dim {self.hd} hold {held} registers a thread in O, S "
@@ -127,7 +135,7 @@ class AttentionSpec(AttentionKernel):
     @property
     def uri(self) -> str:
         return (f"attention/fwd/{dtypes.BY_NAME[self.dtype].short}/d{self.hd}" + self.flags_uri
-                + ("/lse" if self.lse else "")
+                + (f"/{self.mask}mask" if self.mask else "") + ("/lse" if self.lse else "")
                 + f"/{self.bm}x{self.bn}s{self.stages}" + ("" if self.persistent else "/grid"))
 
     @property
@@ -139,17 +147,21 @@ class AttentionSpec(AttentionKernel):
         return {"io_t": _CTYPE[self.dtype], "kind": _PTX[self.dtype], "hd": self.hd, "bn": self.bn,
                 "stages": self.stages, "consumers": self.consumers, "causal": self.causal, "lse": self.lse,
                 "ranged": self.causal or self.window, **{name: getattr(self, name) for name in FEATURES},
+                "mask": self.mask,
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
                 + (["float* __restrict__ lse"] if self.lse else [])
                 + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
                 + (["const int* __restrict__ cu_q", "const int* __restrict__ cu_kv"] if self.packed else [])
                 + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
                 + (["const float* __restrict__ sinks"] if self.sinks else [])
+                + ([f"const {'io_t' if self.mask == 'bias' else 'unsigned char'}* __restrict__ attn_mask"]
+                   if self.mask else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
                 + ["int heads", "int groups", "int sq", "int sk", "int d", "int bottom_right", "int win_left",
                    "int win_right", "int bhs", "int m_tiles", "float scale_log2"]
                 + (["float cap_in", "float cap_out"] if self.softcap else []) + [
-                   "long long o_sb", "long long o_sh", "long long o_ss"]}
+                   "long long o_sb", "long long o_sh", "long long o_ss"]
+                + ([f"long long mask_s{x}" for x in "bhij"] if self.mask else [])}
 
 
 def arch_reason(arch: str) -> str | None:
@@ -173,7 +185,7 @@ def tile_for(dtype: str, d: int, sq: int, *, causal: bool, lse: bool, **features
     a tile DEFAULT_TILES gives the head dim."""
     hd = head_tile(d)
     heavy = any(on for name, on in features.items() if name != "packed")  # packed: a few registers a work item
-    bn, stages = (FEATURE_TILES if heavy else DEFAULT_TILES)[hd]
+    bn, stages = (BIAS_TILES if features.get("mask") == "bias" else FEATURE_TILES if heavy else DEFAULT_TILES)[hd]
     return AttentionSpec(dtype, hd, causal, lse, bn, stages, 1 if sq <= 64 else 2, **features)
 
 
@@ -240,13 +252,15 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
               spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
               alibi: bool = False, sinks: bool = False, lens: bool = False,
-              packed: tuple | None = None) -> Plan:
+              packed: tuple | None = None, mask: str = "", mask_strides: tuple = (0, 0, 0, 0)) -> Plan:
     """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
     ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes.
     ``window``: (left, right) keys kept around i' (None or -1: unbounded); ``softcap``: a
     positive cap; ``alibi`` / ``sinks`` / ``lens``: the plan takes those pointers (nvdnn.reference's
     meanings). ``packed``: (sequences, the longest one's query rows) of variable-length sequences
-    packed along S of operands with B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S))."""
+    packed along S of operands with B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S)).
+    ``mask``: an attn_mask of MASKS (pointer attn_mask; ``mask_strides``: its (B, Hq, Sq, Sk)
+    element strides, 0 where it broadcasts)."""
     groups = check(q, k, v)
     for role, op in (("query", q), ("key", k), ("value", v)):
         reason = unreadable(op, role)
@@ -263,7 +277,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     left, right = window_sides(window, causal)
     spec = spec or tile_for(q.dtype, d, rows, causal=causal, lse=lse, window=window is not None,
                             softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens,
-                            packed=packed is not None)
+                            packed=packed is not None, mask=mask)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
     m_tiles = -(-rows // spec.bm)
@@ -271,14 +285,15 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
             *(np.int32(x) for x in (hq, groups, sq, sk, d, alignment == "bottom_right", left, right, b * hq, m_tiles)),
             np.float32(scale * math.log2(math.e)),
             *((np.float32(scale / softcap), np.float32(softcap * math.log2(math.e))) if softcap is not None else ()),
-            *(np.int64(x) for x in o_strides[:3]))
+            *(np.int64(x) for x in o_strides[:3]), *(np.int64(x) for x in (mask_strides if mask else ())))
     if b * hq * m_tiles >= 2 ** 31:
         raise UnsupportedError(f"query: {b * hq * m_tiles} tiles of {spec.bm} rows are past the kernel's 2^31",
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
     pointers = (("o", "q", "k", "v") + (("stats",) if lse else ()) + (("seq_lens_q", "seq_lens_kv") if lens else ())
                 + (("cu_seqlens_q", "cu_seqlens_kv") if packed is not None else ())
-                + (("alibi_slopes",) if alibi else ()) + (("sinks",) if sinks else ()))
+                + (("alibi_slopes",) if alibi else ()) + (("sinks",) if sinks else ())
+                + (("attn_mask",) if mask else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 
 
