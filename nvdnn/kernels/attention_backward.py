@@ -34,9 +34,10 @@ ROW_WARPS = 8           # rows a block of the row launches
 @dataclass(frozen=True)
 class AttentionBackwardSpec(AttentionKernel):
     """The dK / dV / dQ-sum kernel. Pointers: dk, dv, q, k, v, do, the dQ sum, the row
-    statistics; tensor maps of q, k, v, do; then heads, kv_heads, groups, sq, sk, d,
-    bottom_right, n_tiles, m_tiles, sq_pad, scale_log2, scale, and dk's and dv's batch / head /
-    row strides."""
+    statistics (then lens_q / lens_kv with ``lens``, cu_q / cu_kv with ``packed``, the ALiBi
+    slopes with ``alibi``); tensor maps of q, k, v, do; then heads, kv_heads, groups, sq, sk, d,
+    bottom_right, win_left, win_right, n_tiles, m_tiles, sq_pad, scale_log2, scale (cap_in,
+    cap_out with ``softcap``), and dk's and dv's batch / head / row strides."""
     family = "attention_bwd"
     template = "attention/backward.cu.j2"
     tile_fields = ("stages", "dq_split", "defer_dq")
