@@ -70,6 +70,33 @@ def matmul_specs():
     return list(dict.fromkeys(specs))
 
 
+def attention_specs():
+    """The kernels tests/test_gpu_attention*.py and benchmarks/bench_attention.py launch: the
+    forward at every head dim, causal or not, with and without lse, one or two warpgroups; its
+    feature, mask and packed variants (bf16, d64 / d128); the backward and its variants."""
+    import dataclasses
+    import itertools
+
+    from nvdnn.kernels import attention as fwd
+    from nvdnn.kernels import attention_backward as bwd
+    specs = [fwd.tile_for(dtype, d, rows, causal=causal, lse=lse) for dtype, d, causal, lse, rows in
+             itertools.product(fwd.DTYPES, (64, 96, 128, 256), (False, True), (False, True), (7, 4096))]
+    features = [dict(window=True), dict(softcap=True), dict(sinks=True), dict(lens=True), dict(alibi=True),
+                dict(packed=True), dict(mask="bool"), dict(mask="bias"),
+                dict(alibi=True, window=True, softcap=True, sinks=True, lens=True)]
+    for d, causal, options in itertools.product((64, 128), (False, True), features):
+        specs.append(fwd.tile_for("bfloat16", d, 200, causal=causal, lse=True, **options))
+        backward = {k: v for k, v in options.items() if k in bwd.FEATURES}
+        if len(backward) == len(options):
+            specs.append(bwd.spec_for("bfloat16", d, causal=causal, **backward))
+    for dtype, d, causal in itertools.product(fwd.DTYPES, (64, 128), (False, True)):
+        base = bwd.spec_for(dtype, d, causal=causal)
+        specs += [base, dataclasses.replace(base, dq_split=True), dataclasses.replace(base, defer_dq=d == 64),
+                  dataclasses.replace(base, dq_split=True, defer_dq=d == 64)]
+        specs += [bwd.AttentionRowsSpec(dtype, d, stage, packed) for stage in ("prep", "dq") for packed in (False, True)]
+    return list(dict.fromkeys(specs))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", default="sm_90")
@@ -87,7 +114,7 @@ def main():
         g.validate().build_operation_graph().create_execution_plans().check_support()
         jobs += [(spec, args.arch) for i, specs in enumerate(g.candidates)
                  for spec in (specs if policy == "all" else [specs[g.chosen[i]]])]
-    jobs += [(spec, args.arch) for spec in matmul_specs()]
+    jobs += [(spec, args.arch) for spec in matmul_specs() + attention_specs()]
     import bench_reduce  # its batch-norm tile sweep
     jobs += [(spec, args.arch) for dtype in bench_reduce.SWEEP_DTYPES for spec in bench_reduce.bn_sweep_specs(dtype)[1]]
     report = warm.warm(jobs, cache)
