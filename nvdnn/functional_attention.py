@@ -35,7 +35,6 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
     batch = None
     if packed is not None:
-        checks.unmeasured("scaled_dot_product_attention", "packed-sequence kernel", "cu_seqlens_q")
         metas, batch = _check_packed(metas, *packed, seq_lens_q, seq_lens_kv), len(packed[0]) - 1
     q, k, v = metas.values()
     for role, meta in metas.items():
@@ -61,7 +60,6 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         raise UnsupportedError(f"value: head dims {q.shape[-1]} (query) and {v.shape[-1]} (value); the kernel takes "
                                f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
     if attn_mask is not None:
-        checks.unmeasured("scaled_dot_product_attention", "attn_mask kernel", "attn_mask")
         _check_mask(attn_mask, q, k, packed is not None)
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise UnsupportedError(f"dropout_p: {dropout_p!r}; the attention kernel has no dropout yet", arg="dropout_p")
@@ -76,6 +74,14 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     want = tuple(query.shape) if packed is not None else q.shape
     if out is not None and checks.describe(out, "out").shape != want:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {want}", arg="out")
+
+
+def gate_unmeasured(where: str, **given) -> None:
+    """The options whose kernels have not yet run on a GPU (checks.unmeasured), refused unless
+    NVDNN_UNMEASURED=1: read from the environment each call, so outside the remembered checks."""
+    for name, value in given.items():
+        if value is not None:
+            checks.unmeasured(where, f"{name} kernel", name)
 
 
 def _check_mask(attn_mask, q, k, packed: bool) -> None:
@@ -168,6 +174,36 @@ def _batched(x, packed: bool = False):
     return x.transpose(1, 0, 2)[None] if packed else x if x.ndim == 4 else x[None]
 
 
+def feature_inputs(cp, dims: tuple, sk: int, *, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv,
+                   packed) -> tuple[dict, dict]:
+    """The options' device vectors by pointer role, and the plan's keywords for them. ``packed``:
+    (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q[, max_seqlen_kv]); the plan gets (sequences, the
+    longest query[, the longest key sequence]), each read from cu_seqlens when not given."""
+    extra = {}
+    for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if given is not None:
+            extra[name] = _vector(cp, given, np.float32, name)
+    if seq_lens_q is not None or seq_lens_kv is not None:
+        for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, sk)):
+            if given is None:
+                callsite.refuse(f"{name} made in full")
+                extra[name] = cp.full(dims[0], full, np.int32)
+            else:
+                extra[name] = _vector(cp, given, np.int32, name)
+    if packed is not None:
+        cus, longest = packed[:2], packed[2:]
+        for name, given in zip(("cu_seqlens_q", "cu_seqlens_kv"), cus):
+            extra[name] = _vector(cp, given, np.int32, name)
+        packed = (len(cus[0]) - 1, *(most if most is not None else _longest(cu, name)
+                                     for most, cu, name in zip(longest, cus, ("cu_seqlens_q", "cu_seqlens_kv"))))
+    options = dict(window=None if window is None else tuple(window),
+                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
+                   lens="seq_lens_q" in extra, packed=packed)
+    if sinks is not None:
+        options["sinks"] = True
+    return extra, options
+
+
 def _longest(cu, name: str) -> int:
     """The longest sequence cu_seqlens describes (read back from the device when it lies there)."""
     if not isinstance(cu, (np.ndarray, list, tuple)):
@@ -203,6 +239,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
               else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q))
+    gate_unmeasured("scaled_dot_product_attention", attn_mask=attn_mask, cu_seqlens_q=packed)
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
                     (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed)
     device = checks.device()
@@ -224,25 +261,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     o = out_dev if out_dev is not None else _empty(cp, dims, ops["q"].strides, kind)
     o_strides = tuple(s // o.itemsize for s in o.strides)
     lse = cp.empty(dims[:3], np.float32) if return_lse else None
-    extra = {}
-    for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if given is not None:
-            extra[name] = _vector(cp, given, np.float32, name)
-    if seq_lens_q is not None or seq_lens_kv is not None:
-        for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, ops["k"].shape[2])):
-            if given is None:
-                callsite.refuse(f"{name} made in full")
-                extra[name] = cp.full(dims[0], full, np.int32)
-            else:
-                extra[name] = _vector(cp, given, np.int32, name)
-    if packed is not None:
-        for name, given in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            extra[name] = _vector(cp, given, np.int32, name)
-        packed = (len(cu_seqlens_q) - 1, max_seqlen_q if max_seqlen_q is not None
-                  else _longest(cu_seqlens_q, "cu_seqlens_q"))
-    options = dict(window=None if window is None else tuple(window),
-                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
-                   sinks="sinks" in extra, lens="seq_lens_q" in extra, packed=packed)
+    extra, options = feature_inputs(cp, dims, ops["k"].shape[2], window=window, softcap=softcap,
+                                    alibi_slopes=alibi_slopes, sinks=sinks, seq_lens_q=seq_lens_q,
+                                    seq_lens_kv=seq_lens_kv, packed=packed)
     if attn_mask is not None:
         mask = arrays.to_device(attn_mask, "attn_mask")[0]
         mask = cp.broadcast_to(mask, dims[len(dims) - len(query.shape):3] + (ops["k"].shape[2],))

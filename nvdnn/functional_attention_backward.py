@@ -10,7 +10,7 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, _longest, _vector, check_attention
+from .functional_attention import _batched, check_attention, feature_inputs, gate_unmeasured
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -28,10 +28,6 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
     if attn_mask is not None:
         raise UnsupportedError("attn_mask: the attention backward takes no mask yet (the forward does); "
                                "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg="attn_mask")
-    for name, given in (("window", window), ("softcap", softcap), ("alibi_slopes", alibi_slopes),
-                        ("seq_lens_q", seq_lens_q), ("seq_lens_kv", seq_lens_kv), ("cu_seqlens_q", packed)):
-        if given is not None:
-            checks.unmeasured("scaled_dot_product_attention_backward", f"{name} kernel", name)
     for name, given, unset in zip(("sinks", "dropout_p", "dropout_mask"), not_yet, (None, 0.0, None)):
         if given is not unset and not (name == "dropout_p" and given == 0):
             raise UnsupportedError(f"{name}: the attention backward does not take it yet; "
@@ -88,6 +84,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     """
     packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
               else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
+    gate_unmeasured("scaled_dot_product_attention_backward", window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, cu_seqlens_q=packed)
     check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
                    (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv,
                    packed, (sinks, dropout_p, dropout_mask))
@@ -116,23 +114,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
                                    packed is not None)
     dims = ops["q"].shape
     sk = ops["k"].shape[2]
-    extra = {}
-    if alibi_slopes is not None:
-        extra["alibi_slopes"] = _vector(cp, alibi_slopes, np.float32, "alibi_slopes")
-    if seq_lens_q is not None or seq_lens_kv is not None:
-        for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, sk)):
-            extra[name] = cp.full(dims[0], full, np.int32) if given is None else _vector(cp, given, np.int32, name)
-            if given is None:
-                callsite.refuse(f"{name} made in full")
-    if packed is not None:
-        for name, given in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-            extra[name] = _vector(cp, given, np.int32, name)
-        packed = (len(cu_seqlens_q) - 1,
-                  max_seqlen_q if max_seqlen_q is not None else _longest(cu_seqlens_q, "cu_seqlens_q"),
-                  max_seqlen_kv if max_seqlen_kv is not None else _longest(cu_seqlens_kv, "cu_seqlens_kv"))
-    options = dict(window=None if window is None else tuple(window),
-                   softcap=None if softcap is None else float(softcap), alibi="alibi_slopes" in extra,
-                   lens="seq_lens_q" in extra, packed=packed)
+    extra, options = feature_inputs(cp, dims, sk, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    sinks=None, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, packed=packed)
     if math.prod(dims) and sk:
         strides = {role: tuple(s // g.itemsize for s in g.strides) for role, g in grads.items()}
         signature = (device, tuple((r, _signature(a)) for r, a in xs.items()), tuple(strides.items()),
