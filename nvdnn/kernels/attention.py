@@ -68,6 +68,35 @@ class AttentionKernel(KernelSpec):
     def target_arch(self, arch: str) -> str:
         return "sm_90a" if arch == "sm_90" else arch
 
+    def feature_params(self) -> list:
+        """The pointer parameters the flags add, in FEATURE_POINTERS' order."""
+        return [f"const {kind}* __restrict__ {param}" for flag, roles in FEATURE_POINTERS
+                if getattr(self, flag, False) for _, param, kind in roles]
+
+
+# pointer roles a flag adds to a launch, in kernel order: (flag, ((role, parameter, C type), ...))
+FEATURE_POINTERS = (("lens", (("seq_lens_q", "lens_q", "int"), ("seq_lens_kv", "lens_kv", "int"))),
+                    ("packed", (("cu_seqlens_q", "cu_q", "int"), ("cu_seqlens_kv", "cu_kv", "int"))),
+                    ("alibi", (("alibi_slopes", "alibi_slopes", "float"),)),
+                    ("sinks", (("sinks", "sinks", "float"),)))
+
+
+def feature_pointers(**flags) -> tuple:
+    """The launch's pointer roles for the flags that are on, in kernel order."""
+    return tuple(role for flag, roles in FEATURE_POINTERS if flags.get(flag) for role, _, _ in roles)
+
+
+def softcap_args(scale: float, softcap: float | None) -> tuple:
+    """cap_in (scale / cap) and cap_out (cap * log2(e)) when soft-capping."""
+    return () if softcap is None else (np.float32(scale / softcap), np.float32(softcap * math.log2(math.e)))
+
+
+def packed_batch(q: Operand, k: Operand, packed: tuple) -> tuple:
+    """``packed``'s (sequences, longest rows...) after checking the operands are one batch."""
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValidationError(f"query: batch {q.shape[0]}; packed sequences lie along S of a batch of 1", arg="query")
+    return packed
+
 
 @dataclass(frozen=True)
 class AttentionSpec(AttentionKernel):
@@ -149,11 +178,7 @@ class AttentionSpec(AttentionKernel):
                 "ranged": self.causal or self.window, **{name: getattr(self, name) for name in FEATURES},
                 "mask": self.mask,
                 "params": ["io_t* __restrict__ o_ptr", io + "q", io + "k", io + "v"]
-                + (["float* __restrict__ lse"] if self.lse else [])
-                + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
-                + (["const int* __restrict__ cu_q", "const int* __restrict__ cu_kv"] if self.packed else [])
-                + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
-                + (["const float* __restrict__ sinks"] if self.sinks else [])
+                + (["float* __restrict__ lse"] if self.lse else []) + self.feature_params()
                 + ([f"const {'io_t' if self.mask == 'bias' else 'unsigned char'}* __restrict__ attn_mask"]
                    if self.mask else [])
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
@@ -269,11 +294,7 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     one_of(alignment, ALIGNMENTS, "alignment")
     b, hq, sq, d = q.shape
     sk = k.shape[2]
-    rows = sq
-    if packed is not None:
-        if b != 1 or k.shape[0] != 1:
-            raise ValidationError(f"query: batch {b}; packed sequences lie along S of a batch of 1", arg="query")
-        b, rows = packed
+    b, rows = packed_batch(q, k, packed) if packed is not None else (b, sq)
     left, right = window_sides(window, causal)
     spec = spec or tile_for(q.dtype, d, rows, causal=causal, lse=lse, window=window is not None,
                             softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens,
@@ -283,16 +304,14 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     m_tiles = -(-rows // spec.bm)
     args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
             *(np.int32(x) for x in (hq, groups, sq, sk, d, alignment == "bottom_right", left, right, b * hq, m_tiles)),
-            np.float32(scale * math.log2(math.e)),
-            *((np.float32(scale / softcap), np.float32(softcap * math.log2(math.e))) if softcap is not None else ()),
+            np.float32(scale * math.log2(math.e)), *softcap_args(scale, softcap),
             *(np.int64(x) for x in o_strides[:3]), *(np.int64(x) for x in (mask_strides if mask else ())))
     if b * hq * m_tiles >= 2 ** 31:
         raise UnsupportedError(f"query: {b * hq * m_tiles} tiles of {spec.bm} rows are past the kernel's 2^31",
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
-    pointers = (("o", "q", "k", "v") + (("stats",) if lse else ()) + (("seq_lens_q", "seq_lens_kv") if lens else ())
-                + (("cu_seqlens_q", "cu_seqlens_kv") if packed is not None else ())
-                + (("alibi_slopes",) if alibi else ()) + (("sinks",) if sinks else ())
+    pointers = (("o", "q", "k", "v") + (("stats",) if lse else ())
+                + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi, sinks=sinks)
                 + (("attn_mask",) if mask else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 

@@ -20,7 +20,8 @@ from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
-from .attention import (_CTYPE, _PTX, ALIGNMENTS, DTYPES, AttentionKernel, _map, check, head_tile, unreadable,
+from .attention import (_CTYPE, _PTX, ALIGNMENTS, DTYPES, AttentionKernel, _map, arch_reason, check,
+                        feature_pointers, head_tile, packed_batch, softcap_args, unreadable, unsupported_reason,
                         window_sides)
 from .matmul.specs import SMEM_LIMIT
 from .pointwise import Operand
@@ -99,9 +100,7 @@ class AttentionBackwardSpec(AttentionKernel):
                 "ranged": self.causal or self.window, **{name: getattr(self, name) for name in FEATURES},
                 "params": ["io_t* __restrict__ dk_ptr", "io_t* __restrict__ dv_ptr", io + "q", io + "k", io + "v",
                            io + "dout", "float* __restrict__ dq_acc", "const float* __restrict__ stats"]
-                + (["const int* __restrict__ lens_q", "const int* __restrict__ lens_kv"] if self.lens else [])
-                + (["const int* __restrict__ cu_q", "const int* __restrict__ cu_kv"] if self.packed else [])
-                + (["const float* __restrict__ alibi_slopes"] if self.alibi else [])
+                + self.feature_params()
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in ("q", "k", "v", "do")]
                 + ["int heads", "int kv_heads", "int groups", "int sq", "int sk", "int d", "int bottom_right",
                    "int win_left", "int win_right", "int n_tiles", "int m_tiles", "int sq_pad", "float scale_log2",
@@ -149,15 +148,6 @@ class AttentionRowsSpec(KernelSpec):
                 + (["float scale"] if self.stage == "dq" else []) + strides}
 
 
-def arch_reason(arch: str) -> str | None:
-    from .attention import arch_reason as forward_reason
-    return forward_reason(arch)
-
-
-def unsupported_reason(spec, arch: str) -> str | None:
-    return arch_reason(arch)
-
-
 def spec_for(dtype: str, d: int, *, causal: bool, **features) -> AttentionBackwardSpec:
     """The default kernel: at head dim 128 the warpgroups split dQ's columns (measured on an H100,
     bf16: 376-406 TFLOP/s against 274-301 with a warpgroup's own keys and every column)."""
@@ -187,16 +177,12 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
         reason = unreadable(op, role)
         if reason:
             raise UnsupportedError(reason, arg=role)
-    for role, op in (("out", o), ("grad_out", do)):
+    for role, op in (("output", o), ("grad_out", do)):
         if op.shape != q.shape or op.dtype != q.dtype:
             raise UnsupportedError(f"{role}: {op.dtype} {list(op.shape)}; needs query's {q.dtype} "
                                    f"{list(q.shape)}", arg=role)
     one_of(alignment, ALIGNMENTS, "alignment")
-    rows_q, rows_k = sq, sk
-    if packed is not None:
-        if b != 1 or k.shape[0] != 1:
-            raise ValidationError(f"query: batch {b}; packed sequences lie along S of a batch of 1", arg="query")
-        b, rows_q, rows_k = packed
+    b, rows_q, rows_k = packed_batch(q, k, packed) if packed is not None else (b, sq, sk)
     spec = spec or spec_for(q.dtype, d, causal=causal, window=window is not None, softcap=softcap is not None,
                             alibi=alibi, lens=lens, packed=packed is not None)
     left, right = window_sides(window, causal)
@@ -219,15 +205,11 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
                   common + tuple(np.int64(x) for x in o.strides[:3] + do.strides[:3]))
     main = Launch(spec, (b * hkv * n_tiles, 1, 1), (spec.threads, 1, 1), spec.smem_bytes,
                   ("dk", "dv", "q", "k", "v", "do", "scratch0", "scratch1")
-                  + (("seq_lens_q", "seq_lens_kv") if lens else ())
-                  + (("cu_seqlens_q", "cu_seqlens_kv") if packed is not None else ())
-                  + (("alibi_slopes",) if alibi else ()),
+                  + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi),
                   (_map(2, q, BM), _map(3, k, spec.bn), _map(4, v, spec.bn), _map(5, do, BM),
                    *(np.int32(x) for x in (hq, hkv, groups, sq, sk, d, alignment == "bottom_right", left, right,
                                           n_tiles, m_tiles, sq_pad)),
-                   np.float32(scale * math.log2(math.e)), np.float32(scale),
-                   *((np.float32(scale / softcap), np.float32(softcap * math.log2(math.e))) if softcap is not None
-                     else ()),
+                   np.float32(scale * math.log2(math.e)), np.float32(scale), *softcap_args(scale, softcap),
                    *(np.int64(x) for x in dk_s[:3] + dv_s[:3])))
     finish = Launch(AttentionRowsSpec(q.dtype, spec.hd, "dq", packed is not None), row_grid, row_block, 0,
                     ("dq", "scratch0") + cu,
