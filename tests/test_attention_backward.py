@@ -5,9 +5,7 @@ backend."""
 from __future__ import annotations
 
 import re
-import subprocess
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,15 +14,8 @@ from nvdnn import codegen, compiler
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import attention_backward as family
 from nvdnn.kernels.attention_backward import AttentionBackwardSpec, AttentionRowsSpec
-from nvdnn.kernels.pointwise import Operand
 
-from .test_compile import _cuobjdump
-
-
-def _op(shape, layout="BHSD", dtype="bfloat16"):
-    b, h, s, d = shape
-    strides = (h * s * d, s * d, d, 1) if layout == "BHSD" else (s * h * d, d, h * d, 1)
-    return Operand(dtype, shape, strides)
+from .test_attention import _bf16, _op, _sass
 
 
 def test_spec_rules():
@@ -34,8 +25,10 @@ def test_spec_rules():
         AttentionBackwardSpec("bfloat16", 256, False)
     with pytest.raises(ValidationError, match="stage"):
         AttentionRowsSpec("bfloat16", 64, "post")
-    for spec in family.preset():
-        assert spec.smem_bytes < 227 * 1024 if isinstance(spec, AttentionBackwardSpec) else True
+    kernels = [spec for spec in family.preset() if isinstance(spec, AttentionBackwardSpec)]
+    assert {(s.dtype, s.hd, s.causal) for s in kernels} == {(t, d, c) for t in ("float16", "bfloat16")
+                                                           for d in (64, 128) for c in (False, True)}
+    assert all(s.dq_split == (s.hd == 128) for s in kernels)  # the measured default
 
 
 def test_plan_has_three_launches_over_padded_rows_and_key_tiles():
@@ -61,24 +54,11 @@ def test_plan_refuses_head_dims_past_128_and_mismatched_grads():
         family.plan_sdpa_backward(*(_op((1, 2, 8, 64)),) * 3, _op((1, 2, 9, 64)), _op((1, 2, 8, 64)))
 
 
-def _sass(spec, tmp_path) -> str:
-    result = compiler.compile_cubin(codegen.render(spec), name="attention_bwd.cu",
-                                    options=compiler.options_for("sm_90a"))
-    assert result.spill_bytes == 0 and result.stack_bytes == 0, result.log
-    assert "C7512" not in result.log and "C7513" not in result.log, result.log  # no serialized wgmma
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    path = tmp_path / "attention_bwd.cubin"
-    path.write_bytes(result.cubin)
-    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
-
-
 @pytest.mark.parametrize("hd,causal,dtype,split,defer", [
     (64, True, "float16", False, False), (64, False, "bfloat16", True, True), (128, False, "bfloat16", False, False),
     (128, True, "bfloat16", True, False), (64, False, "float16", False, True)])
 def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, defer, tmp_path):
-    sass = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split, defer_dq=defer), tmp_path)
+    sass, _ = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split, defer_dq=defer), tmp_path)
     kind = {"bfloat16": ".BF16", "float16": ""}[dtype]
     products = re.findall(r"HGMMA\.(64x\d+)x16\.F32(\S*) R\d+, gdesc\[\w+\](\S*),", sass)
     assert products.count(("64x64", kind, "")) == 2 * hd // 16  # S^T and dP^T, K-major from shared memory
@@ -96,10 +76,6 @@ def test_preset_kernels_compile_without_spills_or_serialized_mma():
         assert result.spill_bytes == 0 and "C7512" not in result.log and "C7513" not in result.log, spec.uri
     with pytest.raises(ValidationError, match="defer_dq"):
         AttentionBackwardSpec("bfloat16", 128, False, dq_split=True, defer_dq=True)
-
-
-def _bf16(shape):
-    return np.zeros(shape, ml_dtypes.bfloat16)
 
 
 @pytest.mark.parametrize("change,error,match", [
