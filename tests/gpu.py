@@ -71,9 +71,10 @@ def laid_out(shape, dtype: str, order, rng):
     return dev, host.astype(np.float64)
 
 
-def poison_next_allocation(nbytes: int) -> None:
-    """NaN bits in the block CuPy's pool hands out next for ``nbytes``: an output a call allocates
-    itself (not through ``out=``) then starts poisoned too, so a row it never writes shows."""
+def poison_next_allocation(*sizes: int) -> None:
+    """NaN bits in the blocks CuPy's pool hands out next for these byte sizes: outputs a call
+    allocates itself (not through ``out=``) then start poisoned too, so a row it never writes
+    shows. All are held at once before they go back, so equal sizes get blocks of their own."""
     import cupy
-    block = cupy.full(-(-nbytes // 4), np.nan, np.float32)
-    del block  # back to the pool, which gives a freed block of the size to the next request
+    blocks = [cupy.full(-(-nbytes // 4), np.nan, np.float32) for nbytes in sizes]
+    del blocks  # back to the pool, which gives a freed block of the size to the next request

@@ -215,6 +215,7 @@ def test_sdpa_packed_sequences_match_float64(d, causal, alignment):
     arrays, cu_q, cu_kv = packed_case(d, np.random.default_rng())
     (q, q64), (k, k64), (v, v64) = arrays.values()
     out = cupy.full(q.shape, np.nan, q.dtype)
+    poison_next_allocation(4 * q.shape[0] * 4)  # lse (Hq, T), which the call allocates
     o, lse = nvdnn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, alignment=alignment,
                                                 cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_kv=cu_kv,
                                                 return_lse=True, out=out)
@@ -259,6 +260,7 @@ def test_sdpa_attn_mask_matches_float64(name, d):
         host = rng.uniform(-3, 3, shape).astype(ml_dtypes.bfloat16)
         mask, host = cupy.asarray(host), host.astype(np.float64)
     out = cupy.full(q.shape, np.nan, dtype=q.dtype)
+    poison_next_allocation(4 * 200 * 3 * 4)  # lse, which the call allocates
     o, lse = nvdnn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,
                                                 return_lse=True, out=out)
     want, want_lse = nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, attn_mask=host, is_causal=causal,

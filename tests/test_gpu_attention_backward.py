@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import requires_gpu
+from .gpu import poison_next_allocation, requires_gpu
 from .test_gpu_attention import FEATURES as FORWARD_FEATURES
 from .test_gpu_attention import SHAPES as FORWARD_SHAPES
 from .test_gpu_attention import _array, cases, feature_case, packed_case
@@ -104,6 +104,10 @@ def test_sdpa_backward_torch_tensors_match_torch():
     o, lse = nvdnn.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True, enable_gqa=True,
                                                 return_lse=True)
     for _ in range(2):  # the second call replays the recorded launches
+        # dq, dk, dv, which the call allocates: from CuPy's pool when recording, torch's when replaying
+        poison_next_allocation(q.numel() * 2, k.numel() * 2, v.numel() * 2)
+        blocks = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        del blocks
         got = nvdnn.scaled_dot_product_attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse,
                                                           is_causal=True, enable_gqa=True)
         for g, x in zip(got, (q, k, v)):
