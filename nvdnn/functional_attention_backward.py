@@ -28,12 +28,13 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
     if attn_mask is not None:
         raise UnsupportedError("attn_mask: the attention backward takes no mask yet (the forward does); "
                                "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg="attn_mask")
-    for name, given, unset in zip(("sinks", "dropout_p", "dropout_mask"), not_yet, (None, 0.0, None)):
-        if given is not unset and not (name == "dropout_p" and given == 0):
-            raise UnsupportedError(f"{name}: the attention backward does not take it yet; "
-                                   "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg=name)
-    check_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, alignment, None, (None,),
-                    window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv, packed and packed[:3])
+    sinks, dropout_p, dropout_mask = not_yet
+    if sinks is not None:
+        raise UnsupportedError("sinks: the attention backward does not give dsinks yet; "
+                               "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg="sinks")
+    check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, None,
+                    (dropout_mask,), window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv,
+                    packed and packed[:3])  # the forward's rules, dropout's refusal among them
     if packed is not None and packed[3] is not None and (type(packed[3]) is not int or packed[3] < 0):
         raise ValidationError(f"max_seqlen_kv: {packed[3]!r}; an int >= 0, the longest key sequence",
                               arg="max_seqlen_kv")
