@@ -128,10 +128,11 @@ def _linear_backward(ops, dy, a, weight):
 # -- the GPU run: nvdnn against PyTorch ----------------------------------------------------------
 
 def _torch_layer(torch, w: dict, shape: Shape, tables):
-    """The same layer in PyTorch (autograd), on torch copies of the weights."""
+    """The same layer in PyTorch (autograd), on the same weights (DLPack views: CuPy hands bfloat16 over
+    DLPack, not the CUDA array interface)."""
     import torch.nn.functional as F
-    tw = {name: torch.as_tensor(value).requires_grad_() for name, value in w.items()}
-    cos, sin = (torch.as_tensor(t) for t in tables[:2])
+    tw = {name: torch.from_dlpack(value).requires_grad_() for name, value in w.items()}
+    cos, sin = (torch.from_dlpack(t) for t in tables[:2])
     b, s, h, hk, d, f = shape.batch, shape.seq, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn
 
     def rms(x, gain):
@@ -178,10 +179,10 @@ def run(shape: Shape, dtype: str) -> dict:
     y, saved = forward(nvdnn, cupy, w, x, shape, tables)
     dx, grads = backward(nvdnn, cupy, w, dy, saved, shape, tables)
     layer, tw = _torch_layer(torch, w, shape, tables)
-    tx, tdy = torch.as_tensor(x).requires_grad_(), torch.as_tensor(dy)
+    tx, tdy = torch.from_dlpack(x).requires_grad_(), torch.from_dlpack(dy)
     ty = layer(tx)
     ty.backward(tdy)
-    worst = max(_rel(torch, torch.as_tensor(mine), theirs) for mine, theirs in
+    worst = max(_rel(torch, torch.from_dlpack(mine), theirs) for mine, theirs in
                 [(y, ty), (dx, tx.grad)] + [(grads[n], tw[n].grad) for n in grads])
     row = {"seq": shape.seq, "max rel err vs torch": f"{worst:.1e}"}
 
