@@ -25,6 +25,16 @@ def _session_folders(tmp_path_factory):
     return tmp_path_factory.mktemp("session-cache"), tmp_path_factory.mktemp("xdg-cache")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compile_once(tmp_path_factory):
+    """Every test compiles through one session-wide memo of NVRTC's results (tests/compile_memo.py)."""
+    from nvdnn import compiler
+    from .compile_memo import memoized
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiler, "compile_cubin", memoized(compiler.compile_cubin, tmp_path_factory.mktemp("nvrtc-memo")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_environment(request, _session_folders):
     """A throw-away default cache folder and no NVDNN_* behaviour switches, for every CPU test.

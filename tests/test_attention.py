@@ -5,7 +5,6 @@ checks of nvdnn.scaled_dot_product_attention, which run before any device work."
 from __future__ import annotations
 
 import math
-import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +17,7 @@ from nvdnn.kernels import attention
 from nvdnn.kernels.attention import AttentionSpec
 from nvdnn.kernels.pointwise import Operand
 
-from .test_compile import _cuobjdump
+from .sass import sass_text
 
 
 def _op(shape, layout="BHSD", dtype="bfloat16"):
@@ -86,24 +85,18 @@ def test_plan_refuses_layouts_no_tensor_map_reads():
     assert attention.unreadable(_op((1, 1, 1, 64)), "query") is None
 
 
-def _sass(spec, tmp_path) -> tuple[str, str]:
+def _sass(spec) -> tuple[str, str]:
     result = compiler.compile_cubin(codegen.render(spec), name="attention.cu", options=compiler.options_for("sm_90a"))
     assert result.spill_bytes == 0 and result.stack_bytes == 0
     assert "C7513" not in result.log and "C7512" not in result.log  # no serialized wgmma
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    path = tmp_path / "attention.cubin"
-    path.write_bytes(result.cubin)
-    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout, \
-        result.log
+    return sass_text(result.cubin), result.log
 
 
 @pytest.mark.parametrize("hd,causal,dtype", [(64, True, "bfloat16"), (128, False, "float16"),
                                              (128, True, "bfloat16"), (256, False, "bfloat16")])
-def test_forward_builds_for_sm90a_with_both_products_on_wgmma(hd, causal, dtype, tmp_path):
+def test_forward_builds_for_sm90a_with_both_products_on_wgmma(hd, causal, dtype):
     spec = attention.tile_for(dtype, hd, 4096, causal=causal, lse=True)
-    sass, _ = _sass(spec, tmp_path)
+    sass, _ = _sass(spec)
     kind = {"bfloat16": ".BF16", "float16": ""}[dtype]  # cuobjdump names bf16; f16 is the default
     assert f"HGMMA.64x{spec.bn}x16.F32{kind} R" in sass and "gdesc" in sass  # S = Q K^T from shared memory
     assert f"HGMMA.64x{hd}x16.F32{kind} R" in sass and ".tnspB" in sass     # O += P V, P in registers
@@ -181,14 +174,14 @@ def test_graph_sdpa_names_bad_heads():
 
 
 @pytest.mark.parametrize("hd,causal", [(128, False), (64, True)])
-def test_the_loops_softmax_runs_between_its_two_waits(hd, causal, tmp_path):
+def test_the_loops_softmax_runs_between_its_two_waits(hd, causal):
     """Intra-warpgroup overlap, read from SASS: every exponential of the loop's softmax (one a score
     and one a row's correction, two rows a thread) sits after the wait for S (DEPBAR.LE 1) and
     before the wait for P V (DEPBAR.LE 0), so the softmax runs while P V does. ptxas hoists a
     wait to the top of its basic block: with the softmax in the wait's block, they ran after it."""
     import re
     spec = attention.tile_for("bfloat16", hd, 4096, causal=causal, lse=True)
-    sass, _ = _sass(spec, tmp_path)
+    sass, _ = _sass(spec)
     marks = ["wait1" if m[0] == "1" else "wait0" if m[0] == "0" else "exp"
              for m in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([01])|(MUFU\.EX2)", sass)]
     first = marks.index("wait1")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import struct
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from nvdnn.kernels import pointwise
 from nvdnn.warm import warm
 
 from .presets import warmed_preset
+from .sass import require_cuobjdump, run_cuobjdump, sass_of
 
 ARCHS = ("sm_80", "sm_90")
 TINY_SOURCE = 'extern "C" __global__ void tiny(float* y) { y[threadIdx.x] = 1.0f; }\n'
@@ -74,19 +73,6 @@ def test_a_second_warm_finds_everything_cached(warmed):
 
 # -- the cubins themselves --------------------------------------------------------------------------
 
-def _cuobjdump() -> str | None:
-    try:
-        import nvidia
-        for base in nvidia.__path__:
-            for rel in ("cu13/bin/cuobjdump", "cuda_cuobjdump/bin/cuobjdump"):
-                candidate = Path(base, rel)
-                if candidate.is_file() and os.access(candidate, os.X_OK):
-                    return str(candidate)
-    except ImportError:
-        pass
-    return shutil.which("cuobjdump")
-
-
 def _elf_extent(image: bytes) -> int:
     """The end of the last byte an ELF64 image's headers, sections and segments describe."""
     assert image[:4] == b"\x7fELF" and image[4] == 2 and image[5] == 1, "not a 64-bit LE ELF"
@@ -125,21 +111,11 @@ def sample(warmed):
 
 
 @pytest.fixture(scope="module")
-def sass(sample, tmp_path_factory):
+def sass(sample):
     """cuobjdump --dump-sass of every sampled cubin: {(uri, arch): CompletedProcess}."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    folder = tmp_path_factory.mktemp("cubins")
-
-    def dump(e):
-        path = folder / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        return (e.uri, e.arch), subprocess.run([tool, "--dump-sass", str(path)], capture_output=True,
-                                               text=True, timeout=120)
-
+    require_cuobjdump()
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(pool.map(dump, sample))
+        return dict(zip([(e.uri, e.arch) for e in sample], pool.map(run_cuobjdump, [e.cubin for e in sample])))
 
 
 def test_sample_covers_bf16_vec8_patterns(sample):
@@ -163,12 +139,9 @@ def test_cuobjdump_accepts_the_sampled_cubins(sample, sass):
         assert "EXIT" in result.stdout
 
 
-def test_cuobjdump_rejects_a_truncated_cubin(sample, sass, tmp_path):
+def test_cuobjdump_rejects_a_truncated_cubin(sample, sass):
     """The check above can fail: a cubin missing its tail is refused."""
-    path = tmp_path / "short.cubin"
-    path.write_bytes(sample[0].cubin[:len(sample[0].cubin) // 2])
-    result = subprocess.run([_cuobjdump(), "--dump-sass", str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = run_cuobjdump(sample[0].cubin[:len(sample[0].cubin) // 2])
     assert result.returncode != 0 or "Function :" not in result.stdout
 
 
@@ -271,7 +244,7 @@ def test_a_warning_in_generated_code_is_a_compile_error():
     assert "missing return statement" in info.value.log and info.value.uri == "test/uri"
 
 
-def test_the_copy_benchmark_kernels_compile_as_meant(tmp_path):
+def test_the_copy_benchmark_kernels_compile_as_meant():
     """benchmarks/bench_copy.py's ceiling kernels: no spills, 16-byte accesses, bulk copies."""
     import importlib.util
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_copy.py"
@@ -280,12 +253,7 @@ def test_the_copy_benchmark_kernels_compile_as_meant(tmp_path):
     spec.loader.exec_module(bench)
     result = compiler.compile_cubin(bench.SOURCE, name="bench_copy.cu", options=("-arch=sm_90", "-std=c++17"))
     assert result.spill_bytes == 0
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    (tmp_path / "copy.cubin").write_bytes(result.cubin)
-    sass = subprocess.run([tool, "--dump-sass", str(tmp_path / "copy.cubin")], capture_output=True, text=True,
-                          timeout=120).stdout
+    sass = sass_of([result.cubin])[0]
     names = {name for name, *_ in bench.VECTOR_RUNS + bench.BULK_RUNS}
     assert all(f"Function : {name}" in sass for name in names), sass[:400]
     accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)

@@ -373,17 +373,11 @@ def test_conv_gemms_do_not_spill(warmed):
     assert _spilled(warmed["entries"]) == set()
 
 
-def test_gather_sass_moves_16_bytes_and_conv_gemms_use_hgmma(warmed, tmp_path):
-    import subprocess
-    from tests.test_compile import _cuobjdump
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
+def test_gather_sass_moves_16_bytes_and_conv_gemms_use_hgmma(warmed):
+    from tests.sass import sass_text
 
     def sass(e):
-        path = tmp_path / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+        return sass_text(e.cubin)
 
     entries = warmed["entries"]
     for arch in ("sm_80", "sm_90"):

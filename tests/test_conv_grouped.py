@@ -358,16 +358,9 @@ def test_every_variant_compiles_without_spills(warmed):
     assert {u.split("/")[1] for u, _ in entries} == {"nhwc.dw", "nhwc.group", "nchw.group", "dgrad"}
 
 
-def test_depthwise_lanes_move_16_bytes(warmed, tmp_path):
-    import subprocess
-    from tests.test_compile import _cuobjdump
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    for (uri, arch), e in warmed["entries"].items():
-        if not (uri.startswith("conv_direct/nhwc.dw/f16") and "/v8t4" in uri):
-            continue
-        path = tmp_path / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+def test_depthwise_lanes_move_16_bytes(warmed):
+    from tests.sass import sass_of
+    lanes = [(k, e) for k, e in warmed["entries"].items()
+             if k[0].startswith("conv_direct/nhwc.dw/f16") and "/v8t4" in k[0]]
+    for ((uri, arch), _), sass in zip(lanes, sass_of([e.cubin for _, e in lanes])):
         assert "LDG.E.128" in sass and " STL" not in sass, (uri, arch)

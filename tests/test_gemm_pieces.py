@@ -4,13 +4,12 @@ wrapper emits the tensor-core instruction it names for every transpose mode. The
 pieces the convolution and attention families will include."""
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
 from nvdnn import codegen, compiler
 
-from .test_compile import _cuobjdump
+from .sass import sass_text
 
 
 def _compile(source: str, arch: str) -> bytes:
@@ -21,13 +20,6 @@ def _render(text: str, **context) -> str:
     return codegen.environment().from_string(text).render(**context)
 
 
-def _sass(cubin: bytes, tmp_path) -> str:
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    path = tmp_path / "piece.cubin"
-    path.write_bytes(cubin)
-    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
 
 
 def test_tile_scheduler_compiles_alone():
@@ -47,7 +39,7 @@ extern "C" __global__ void walk(int* out, int tiles_m, int tiles_n, int whole, i
 
 
 @pytest.mark.parametrize("trans", [None, (0, 0), (1, 0), (0, 1), (1, 1)])
-def test_wgmma_wrapper_and_descriptors_emit_warpgroup_mma(trans, tmp_path):
+def test_wgmma_wrapper_and_descriptors_emit_warpgroup_mma(trans):
     """tf32 (no transpose immediates) and bf16 with A / B K- or MN-major descriptors."""
     source = _render('''{% include "common/sm90_wgmma.cuh.j2" %}
 {% from "common/sm90_wgmma.cuh.j2" import wgmma_function %}
@@ -63,11 +55,11 @@ extern "C" __global__ void piece(float* y) {
   nvdnn::wgmma_wait<0>();
   for (int i = 0; i < 32; ++i) y[threadIdx.x * 32 + i] = d[i];
 }''', kind="tf32" if trans is None else "bf16", k=8 if trans is None else 16, trans=trans)
-    sass = _sass(_compile(source, "sm_90a"), tmp_path)
+    sass = sass_text(_compile(source, "sm_90a"))
     assert "HGMMA" in sass and " STL" not in sass
 
 
-def test_tf32_gemm_with_a_from_registers_keeps_its_mmas_asynchronous(tmp_path):
+def test_tf32_gemm_with_a_from_registers_keeps_its_mmas_asynchronous():
     """tf32's M-major A (NumPy's a @ b runs as b^T a^T on it): its fragments go from shared
     memory to registers (LDS) and into register-sourced HGMMAs, which ptxas would serialize
     (warning C7513) were fragments written while an MMA is in flight; nothing spills."""
@@ -79,7 +71,7 @@ def test_tf32_gemm_with_a_from_registers_keeps_its_mmas_asynchronous(tmp_path):
     assert (spec.kernel, spec.a_major) == ("wgmma", "m")
     result = compiler.compile_cubin(codegen.render(spec), name="gemm.cu", options=compiler.options_for("sm_90a"))
     assert "C7513" not in result.log and result.spill_bytes == 0 and result.stack_bytes == 0
-    sass = _sass(result.cubin, tmp_path)
+    sass = sass_text(result.cubin)
     assert "HGMMA" in sass and " LDS" in sass and " STL" not in sass
 
 
@@ -100,7 +92,7 @@ extern "C" __global__ void piece(const __grid_constant__ nvdnn::TmaDesc map) {
     assert _compile(source, "sm_90a")
 
 
-def test_grid_finish_on_a_named_barrier_compiles_alone(tmp_path):
+def test_grid_finish_on_a_named_barrier_compiles_alone():
     """The split finish of common/grid_finish.cuh for a warp-specialized block: only the
     consumer warps arrive, on a named barrier; the count is one atomic, the reads bypass L1."""
     source = _render('''{% include "common/sm90_barrier.cuh" %}
@@ -119,5 +111,5 @@ extern "C" __global__ void piece(float4* part, float* y, int splits) {
   y[threadIdx.x] = s;
 }''')
     for arch in ("sm_80", "sm_90"):
-        sass = _sass(_compile(source, arch), tmp_path)
+        sass = sass_text(_compile(source, arch))
         assert "BAR.SYNC" in sass and "ATOMG.E.ADD" in sass and "LDG.E.128" in sass, arch

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
@@ -21,7 +20,7 @@ from nvdnn.kernels import matmul as mm
 from nvdnn.kernels.matmul import heuristic
 from nvdnn.kernels.pointwise import Operand
 
-from .test_compile import _cuobjdump
+from .sass import sass_of
 from .test_gpu_matmul_skinny import every_row_count
 
 
@@ -213,20 +212,10 @@ with every_row_count():
 
 @pytest.fixture(scope="module")
 def compiled():
-    tool = _cuobjdump()
-
     def build(job):
         spec, arch = job
-        result = compiler.compile_cubin(codegen.render(spec), name="skinny.cu", options=compiler.options_for(arch),
-                                        uri=spec.uri)
-        sass = ""
-        if tool is not None:
-            path = f"/tmp/nvdnn-skinny-{os.getpid()}-{spec.digest}-{arch}.cubin"
-            with open(path, "wb") as f:
-                f.write(result.cubin)
-            sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=120).stdout
-            os.remove(path)
-        return job, (result, sass)
+        return job, compiler.compile_cubin(codegen.render(spec), name="skinny.cu", options=compiler.options_for(arch),
+                                           uri=spec.uri)
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         return dict(pool.map(build, VARIANTS))
@@ -239,15 +228,13 @@ def test_variants_cover_every_type_layout_and_arch():
 
 
 def test_every_variant_compiles_without_spills(compiled):
-    for (spec, arch), (result, _) in compiled.items():
+    for (spec, arch), result in compiled.items():
         assert result.spill_bytes == 0 and result.stack_bytes == 0, (spec.uri, arch, result.spill_bytes)
         assert result.registers * spec.threads <= 65536, (spec.uri, arch, result.registers)
 
 
 def test_sass_streams_the_weight_in_16_byte_loads(compiled):
-    if _cuobjdump() is None:
-        pytest.skip("cuobjdump not found")
-    for (spec, arch), (_, sass) in compiled.items():
+    for (spec, arch), sass in zip(compiled, sass_of([r.cubin for r in compiled.values()])):
         assert " STL" not in sass and " LDL" not in sass, f"{spec.uri} [{arch}] uses local memory"
         assert "GMMA" not in sass and "HMMA" not in sass, spec.uri
         wide = re.findall(r"LDG\.E\.(?:[A-Z0-9]+\.)*128", sass)

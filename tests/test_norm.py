@@ -5,9 +5,6 @@ the launch geometry), the preset compiled for sm_80 / sm_90 without spills, and 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import FAMILIES, KernelSpec
 
 from .presets import check_dependent_wait, warmed_preset
-from .test_compile import _cuobjdump
+from .sass import sass_of
 
 ARCHS = ("sm_80", "sm_90")
 RNG = np.random.default_rng(7)
@@ -591,11 +588,7 @@ def test_cluster_kernels_are_sm90_only(warmed):
 
 
 @pytest.fixture(scope="module")
-def sass(warmed, tmp_path_factory):
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    folder = tmp_path_factory.mktemp("norm-cubins")
+def sass(warmed):
     picks = {}
     for (uri, arch), e in sorted(warmed["entries"].items()):
         f = e.meta["spec"]["fields"]
@@ -603,15 +596,7 @@ def sass(warmed, tmp_path_factory):
             continue
         # rows that start anywhere (shift) too: their body vectors must stay 128-bit accesses
         picks.setdefault((e.meta["family"], f.get("split"), f.get("shift"), arch), e)
-
-    def dump(e):
-        path = folder / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        out = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120)
-        return (e.uri, e.arch), out.stdout
-
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(pool.map(dump, picks.values()))
+    return dict(zip([(e.uri, e.arch) for e in picks.values()], sass_of([e.cubin for e in picks.values()])))
 
 
 def test_main_kernels_use_128_bit_loads_and_stores(sass):

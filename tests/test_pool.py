@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import subprocess
 from fractions import Fraction
 
 import numpy as np
@@ -21,7 +20,7 @@ from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
 
 from .presets import warmed_preset
-from .test_compile import _cuobjdump
+from .sass import sass_of
 
 ARCHS = ("sm_80", "sm_90")
 RNG = np.random.default_rng(7)
@@ -427,10 +426,7 @@ def test_every_preset_spec_compiles_without_spills(warmed):
     assert all(0 < e.meta["registers"] <= 128 for e in warmed["entries"].values())
 
 
-def test_nhwc_kernels_use_128_bit_loads(warmed, tmp_path):
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
+def test_nhwc_kernels_use_128_bit_loads(warmed):
     picked = {}
     for (uri, arch), e in sorted(warmed["entries"].items()):
         fields = e.meta["spec"]["fields"]
@@ -438,26 +434,16 @@ def test_nhwc_kernels_use_128_bit_loads(warmed, tmp_path):
             kind = (e.meta["family"], fields.get("window", ()) != (), fields.get("source", ""), arch)
             picked.setdefault(kind, e)
     assert len(picked) >= 8
-    for e in picked.values():
-        path = tmp_path / f"{e.key}.cubin"
-        path.write_bytes(e.cubin)
-        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+    for e, sass in zip(picked.values(), sass_of([e.cubin for e in picked.values()])):
         assert "LDG.E.128" in sass, f"{e.uri} [{e.arch}] has no 128-bit load"
 
 
 def test_target_kernel_loads_each_patch_tap_once():
     """3x3/2 with two outputs per thread: a 3 x 5 patch, 15 loads of 16 bytes, 2 vector stores."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
     spec = pool.plan_pool2d("max", _x(TARGET, layout="NHWC"), 3, 2, 1).launches[0].spec
     result = compiler.compile_cubin(codegen.render(spec), name="pool.cu", options=compiler.options_for("sm_90"))
     assert result.spill_bytes == 0
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(result.cubin)
-        f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+    sass = sass_of([result.cubin])[0]
     assert sass.count("LDG.E.128") == 15 and sass.count("STG.E.128") == 2
     assert "HMNMX2" in sass   # 16-bit max on packed pairs, no conversions
 

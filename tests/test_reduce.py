@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import subprocess
 from collections import defaultdict
 
 import numpy as np
@@ -20,7 +19,7 @@ from nvdnn.kernels.pointwise import Operand
 from nvdnn.spec import KernelSpec
 
 from .presets import check_dependent_wait, warmed_preset
-from .test_compile import _cuobjdump
+from .sass import sass_of
 
 ARCHS = ("sm_80", "sm_90")
 RNG = np.random.default_rng(7)
@@ -502,18 +501,12 @@ def test_every_preset_spec_compiles_without_spills(warmed):
     assert all(0 < e.meta["registers"] <= 128 for e in warmed["entries"].values())
 
 
-def _sass(tool: str, warmed, spec, arch: str, tmp_path) -> str:
-    """cuobjdump's SASS of the warmed kernel of (spec, arch)."""
-    entry = warmed["entries"][(spec.uri, arch)]
-    path = tmp_path / f"{entry.key}.cubin"
-    path.write_bytes(entry.cubin)
-    return subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+def _sass(warmed, jobs) -> list[str]:
+    """cuobjdump's SASS of the warmed kernels of ``jobs`` ((spec, arch) pairs)."""
+    return sass_of([warmed["entries"][(spec.uri, arch)].cubin for spec, arch in jobs])
 
 
-def test_main_kernels_use_128_bit_loads(warmed, tmp_path):
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
+def test_main_kernels_use_128_bit_loads(warmed):
     plans = [R.plan_reduce("amax", op((1 << 22,), "bfloat16")),
              R.plan_reduce("sum", op((4096, 1024), "float16"), (1,)),
              R.plan_reduce("sum", op((4096, 1024), "float16"), (0,)),
@@ -521,38 +514,29 @@ def test_main_kernels_use_128_bit_loads(warmed, tmp_path):
                                           vec(256), vec(256), vec(256), vec(256), epilogue=[("relu", "")],
                                           params=(0.0, math.inf)),
              bn.plan_batch_norm_training(op((32, 256, 28, 28), "float16"), vec(256), vec(256), vec(256), vec(256))]
-    for plan in plans:
-        main = plan.launches[0].spec if len(plan.launches) < 3 else plan.launches[0].spec
-        for arch in ARCHS:
-            sass = _sass(tool, warmed, main, arch, tmp_path)
-            assert "LDG.E.128" in sass, f"{main.uri} [{arch}] has no 128-bit load"
+    jobs = [(plan.launches[0].spec, arch) for plan in plans for arch in ARCHS]
+    for (main, arch), sass in zip(jobs, _sass(warmed, jobs)):
+        assert "LDG.E.128" in sass, f"{main.uri} [{arch}] has no 128-bit load"
 
 
-def test_batch_norm_tiles_move_16_bytes_an_access(warmed, tmp_path):
+def test_batch_norm_tiles_move_16_bytes_an_access(warmed):
     """Every tile of the batch-norm target: x, y and the parameters in 16-byte accesses only."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
-    for spec in _bn_target_tiles():
-        for arch in ARCHS:
-            sass = _sass(tool, warmed, spec, arch, tmp_path)
-            accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
-            assert accesses and all(a.endswith(".128") or ".128." in a for a in accesses), (spec.uri, arch, accesses)
+    jobs = [(spec, arch) for spec in _bn_target_tiles() for arch in ARCHS]
+    for (spec, arch), sass in zip(jobs, _sass(warmed, jobs)):
+        accesses = re.findall(r"\b([LS]TG(?:\.[A-Z0-9]+)*)", sass)
+        assert accesses and all(a.endswith(".128") or ".128." in a for a in accesses), (spec.uri, arch, accesses)
 
 
-def test_dependent_launch_kernels_wait_before_touching_memory(warmed, tmp_path):
+def test_dependent_launch_kernels_wait_before_touching_memory(warmed):
     """The affine pass launches as a dependent grid: its wait comes first (presets.check_dependent_wait)."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
     specs = [s for s in dict.fromkeys(R.preset() + _bn_target_tiles()) if s.dependent_launch]
     assert {s.family for s in specs} == {"reduce_affine", "reduce_rows", "reduce_cols"} and len(specs) >= 20
-    for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1]:
-        for arch in ARCHS:
-            check_dependent_wait(_sass(tool, warmed, spec, arch, tmp_path), arch, spec.uri)
+    jobs = [(spec, arch) for spec in specs[:: max(1, len(specs) // 12)] + _bn_target_tiles()[:1] for arch in ARCHS]
+    for (spec, arch), sass in zip(jobs, _sass(warmed, jobs)):
+        check_dependent_wait(sass, arch, spec.uri)
 
 
-def test_grid_finish_piece_compiles_alone(tmp_path):
+def test_grid_finish_piece_compiles_alone():
     """common/grid_finish.cuh in a minimal harness: one atomic add per block on its counter, the
     last block's reset, and partials read through L2 (ld.global.cg: LDG.E.STRONG.GPU)."""
     from nvdnn import codegen, compiler
@@ -567,23 +551,14 @@ extern "C" __global__ void piece(float* part, float* y) {
   }
 }
 ''').render()
-    tool = _cuobjdump()
     for arch in ARCHS:
-        cubin = compiler.compile_cubin(source, name="piece.cu", options=compiler.options_for(arch)).cubin
-        if tool is None:
-            continue
-        path = tmp_path / f"piece-{arch}.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True, timeout=120).stdout
+        sass = sass_of([compiler.compile_cubin(source, name="piece.cu", options=compiler.options_for(arch)).cubin])[0]
         assert "ATOMG.E.ADD" in sass and "LDG.E.STRONG.GPU" in sass and "MEMBAR" in sass, arch
 
 
-def test_one_launch_kernels_finish_with_one_counter_atomic(warmed, tmp_path):
+def test_one_launch_kernels_finish_with_one_counter_atomic(warmed):
     """The split kernels of sum(axis=0) 8192^2 fp32 and training batch norm (fp16 NHWC): 128-bit
     loads of x, one global atomic (the tile counter), no local memory."""
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found")
     shape = (32, 256, 56, 56)
     specs = [R.plan_reduce("sum", op((8192, 8192)), (0,)).launches[0].spec,
              bn.plan_batch_norm_training(op(shape, "float16", nhwc(shape)), vec(256), vec(256), vec(256),
@@ -591,12 +566,9 @@ def test_one_launch_kernels_finish_with_one_counter_atomic(warmed, tmp_path):
     for spec in specs:
         for arch in ARCHS:
             entry = warmed["entries"].get((spec.uri, arch))
-            path = tmp_path / f"split-{arch}.cubin"
             if entry is None:
                 from nvdnn.cache import default_cache
                 entry = default_cache().get(spec, arch)
-            path.write_bytes(entry.cubin)
-            sass = subprocess.run([tool, "--dump-sass", str(path)], capture_output=True, text=True,
-                                  timeout=120).stdout
+            sass = sass_of([entry.cubin])[0]
             assert "LDG.E.128" in sass and len(re.findall(r"\bATOMG\.", sass)) == 1, (spec.uri, arch)
             assert "LDL" not in sass and "STL" not in sass, (spec.uri, arch)
