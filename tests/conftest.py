@@ -27,11 +27,15 @@ def _session_folders(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_once(tmp_path_factory):
-    """Every test compiles through one session-wide memo of NVRTC's results (tests/compile_memo.py)."""
+    """Every test compiles through one session-wide memo of NVRTC's results (tests/compile_memo.py),
+    shared by pytest-xdist's workers (their temporary folders have one parent)."""
     from nvdnn import compiler
     from .compile_memo import memoized
+    base = tmp_path_factory.getbasetemp()
+    memo = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "nvrtc-memo"
+    memo.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compiler, "compile_cubin", memoized(compiler.compile_cubin, tmp_path_factory.mktemp("nvrtc-memo")))
+        mp.setattr(compiler, "compile_cubin", memoized(compiler.compile_cubin, memo))
         yield
 
 

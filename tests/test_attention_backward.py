@@ -57,8 +57,8 @@ def test_plan_refuses_head_dims_past_128_and_mismatched_grads():
 @pytest.mark.parametrize("hd,causal,dtype,split,defer", [
     (64, True, "float16", False, False), (64, False, "bfloat16", True, True), (128, False, "bfloat16", False, False),
     (128, True, "bfloat16", True, False), (64, False, "float16", False, True)])
-def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, defer, tmp_path):
-    sass, _ = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split, defer_dq=defer), tmp_path)
+def test_backward_builds_for_sm90a_with_every_product_on_wgmma(hd, causal, dtype, split, defer):
+    sass, _ = _sass(AttentionBackwardSpec(dtype, hd, causal, dq_split=split, defer_dq=defer))
     kind = {"bfloat16": ".BF16", "float16": ""}[dtype]
     products = re.findall(r"HGMMA\.(64x\d+)x16\.F32(\S*) R\d+, gdesc\[\w+\](\S*),", sass)
     assert products.count(("64x64", kind, "")) == 2 * hd // 16  # S^T and dP^T, K-major from shared memory
