@@ -157,7 +157,7 @@ def _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv
             raise DTypeError(f"{name}: data type {meta.dtype}; takes {', '.join(kinds)}", arg=name)
 
 
-def _vector(cp, x, kind, name: str):
+def device_vector(cp, x, kind, name: str):
     """A small argument (sinks, lengths) as a contiguous device vector of ``kind``, in place when
     it is one already (a converted one is device work a replay would not repeat)."""
     if type(x) is cp.ndarray and x.dtype == kind and x.flags.c_contiguous:
@@ -182,18 +182,18 @@ def feature_inputs(cp, dims: tuple, sk: int, *, window, softcap, alibi_slopes, s
     extra = {}
     for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if given is not None:
-            extra[name] = _vector(cp, given, np.float32, name)
+            extra[name] = device_vector(cp, given, np.float32, name)
     if seq_lens_q is not None or seq_lens_kv is not None:
         for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, sk)):
             if given is None:
                 callsite.refuse(f"{name} made in full")
                 extra[name] = cp.full(dims[0], full, np.int32)
             else:
-                extra[name] = _vector(cp, given, np.int32, name)
+                extra[name] = device_vector(cp, given, np.int32, name)
     if packed is not None:
         cus, longest = packed[:2], packed[2:]
         for name, given in zip(("cu_seqlens_q", "cu_seqlens_kv"), cus):
-            extra[name] = _vector(cp, given, np.int32, name)
+            extra[name] = device_vector(cp, given, np.int32, name)
         packed = (len(cus[0]) - 1, *(most if most is not None else _longest(cu, name)
                                      for most, cu, name in zip(longest, cus, ("cu_seqlens_q", "cu_seqlens_kv"))))
     options = dict(window=None if window is None else tuple(window),

@@ -14,7 +14,8 @@ from typing import Callable, Iterable
 from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
-from .kernels import attention, attention_backward, conv, conv_backward, matmul, norm, pointwise, pool, reduce
+from .kernels import (attention, attention_backward, attention_decode, conv, conv_backward, matmul, norm, pointwise,
+                      pool, reduce)
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
@@ -27,6 +28,7 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "conv_backward": conv_backward.preset,  # their dgrad (GEMM + col2im), wgrad (gather + split-K GEMM), dbias
     "attention": attention.preset,  # fused SDPA forward, fp16 / bf16, head dims 64 / 128 / 256, causal or not
     "attention_backward": attention_backward.preset,  # its backward (dQ, dK, dV), head dims 64 / 128
+    "attention_decode": attention_decode.preset,  # decoding against contiguous or paged KV caches, sm_80 and later
 }
 
 

@@ -234,3 +234,24 @@ def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_kv, **options):
         lses.append(lse)
     o = np.concatenate(outs, axis=0)
     return (o, np.concatenate(lses, axis=-1)) if options.get("return_lse") else o
+
+
+def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_table=None, scale=None,
+                     is_causal=False):
+    """Attention of q (B, Hq, Sq, D) against each sequence's first cache_seqlens[b] keys (all of
+    them when None): key_cache / value_cache (B, Hkv, S, D), or with ``block_table`` (B, blocks)
+    paged ones (pages, block_size, Hkv, D), key t of sequence b in page block_table[b][t //
+    block_size] at slot t % block_size. The queries are the sequence's last Sq positions
+    (``is_causal`` keeps key t for query i when t <= len - Sq + i: bottom-right alignment)."""
+    k, v = _f64(key_cache), _f64(value_cache)
+    if block_table is not None:
+        table = np.asarray(block_table)
+        if table.size and (table.min() < 0 or table.max() >= k.shape[0]):
+            raise ValueError(f"block_table: page numbers must lie in [0, {k.shape[0]})")
+        # (B, blocks, block_size, Hkv, D) -> (B, Hkv, blocks * block_size, D)
+        k, v = (x[table].reshape(table.shape[0], -1, *x.shape[2:]).transpose(0, 2, 1, 3) for x in (k, v))
+    lens = None if cache_seqlens is None else np.asarray(cache_seqlens).reshape(-1)
+    if lens is not None and ((lens < 0).any() or (lens > k.shape[2]).any()):
+        raise ValueError(f"cache_seqlens: each length must lie in [0, {k.shape[2]}] (the cache's keys a sequence)")
+    return scaled_dot_product_attention(query, k, v, is_causal=is_causal, scale=scale, enable_gqa=True,
+                                        alignment="bottom_right", seq_lens_kv=lens)
