@@ -105,7 +105,7 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
     ops = {}
     for role, x in xs.items():
         ops[role] = _operand(x, kind)
-        if x.size and family.unreadable(ops[role], role, names[role]):  # a layout the kernel cannot read
+        if math.prod(x.shape) and family.unreadable(ops[role], role, names[role]):  # a layout the kernel cannot read
             callsite.refuse(f"{role} copied to a packed layout")
             xs[role] = cp.ascontiguousarray(x)
             ops[role] = _operand(xs[role], kind)
@@ -141,7 +141,7 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
-        launcher.run(plan, {**xs, **extra, "out": o}, stream=stream)
+        launcher.run(plan, {**xs, **extra, "o": o}, stream=stream)
     if out is not None:
         if isinstance(out, np.ndarray):
             out[...] = o.get()

@@ -89,7 +89,7 @@ def test_plan_splits_short_batches_and_packs_query_heads_into_chunks():
     units = 4 * 8 * 1  # sequences x key heads x chunks of 16 rows (4 heads x 1 row)
     splits = min(decode.MAX_SPLITS, -(-2 * decode.SMS // units), 64 * 16 // 64 // 2)
     assert launch.grid == (splits, 8, 4) and launch.spec.split and launch.spec.paged
-    assert launch.pointers == ("out", "q", "k_cache", "v_cache", "block_table", "cache_seqlens", "scratch0",
+    assert launch.pointers == ("o", "q", "k_cache", "v_cache", "block_table", "cache_seqlens", "scratch0",
                                "scratch1")
     assert plan.scratch == (units * splits * 16 * 128 * 4, units * splits * 16 * 8)
     ints = tuple(int(a) for a in launch.args[:10])  # groups, sq, rows, chunks, d, max_keys, splits, paging
@@ -207,3 +207,32 @@ def test_types_must_match_and_be_16_bit(measuring):
                                _np((1, 2, 9, 64), np.float32))
     with pytest.raises(DTypeError, match="data types"):
         nvdnn.decode_attention(_np((1, 2, 1, 64), np.float16), _np((1, 2, 9, 64)), _np((1, 2, 9, 64)))
+
+
+def test_graph_sdpa_decode_is_one_kernel_and_runs_the_numpy_reference():
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90", name="decode")
+    b, hq, hkv, d, block, blocks = 3, 8, 2, 64, 16, 4
+    q = g.tensor(dims=[b, hq, 2, d], name="q")
+    k = g.tensor(dims=[b * blocks + 1, block, hkv, d], name="k_cache")
+    v = g.tensor(dims=[b * blocks + 1, block, hkv, d], name="v_cache")
+    table = g.tensor(dims=[b, blocks], data_type="int32", name="block_table")
+    lens = g.tensor(dims=[b], data_type="int32", name="seq_len_kv")
+    o = g.sdpa_decode(q, k, v, table, lens, causal=True, attn_scale=0.2, name="attn")
+    assert o.dims == (b, hq, 2, d)
+    o.set_output(True)
+    g.build()
+    assert len(g.groups) == 1 and [s.uri for s in g.binaries] == ["attention/decode/bf16/d64/paged/causal/s2"]
+    rng = np.random.default_rng(3)
+    pack = {t.name: rng.standard_normal(t.dims).astype(ml_dtypes.bfloat16) for t in (q, k, v)}
+    pack["block_table"] = rng.permutation(b * blocks + 1)[:b * blocks].reshape(b, blocks).astype(np.int32)
+    pack["seq_len_kv"] = np.array([64, 1, 30], np.int32)
+    pack[o.name] = np.empty(o.dims)
+    g.execute(pack, backend="numpy")
+    exact = {r: pack[r].astype(np.float64) for r in ("q", "k_cache", "v_cache")}
+    want = nvdnn.reference.decode_attention(exact["q"], exact["k_cache"], exact["v_cache"], pack["seq_len_kv"],
+                                            pack["block_table"], scale=0.2, is_causal=True)
+    np.testing.assert_allclose(pack[o.name], want, atol=1e-12)
+    with pytest.raises(ValidationError, match="'k_cache' has 3 heads"):
+        g.sdpa_decode(q, g.tensor(dims=[4, block, 3, d]), g.tensor(dims=[4, block, 3, d]), table, lens)
+    with pytest.raises(DTypeError, match="'seq_len_kv' is float32"):
+        g.sdpa_decode(q, k, v, table, g.tensor(dims=[b], data_type="float32"))

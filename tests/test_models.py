@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import nvdnn
-from nvdnn import (arrays, compiler, functional, functional_anchors, functional_conv, functional_matmul, launcher,
-                   models)
+from nvdnn import (arrays, compiler, functional, functional_anchors, functional_attention_decode, functional_conv,
+                   functional_matmul, launcher, models)
 from nvdnn.cache import KernelCache, default_cache
 from nvdnn.errors import CacheMissError, ValidationError
 from nvdnn.graph import anchors
@@ -47,6 +47,11 @@ class Fake:
     def transpose(self, axes):
         return Fake([self.shape[a] for a in axes], self.dtype, [self.strides[a] // self.itemsize for a in axes])
 
+    @property
+    def flags(self):
+        packed = tuple(s * self.itemsize for s in contiguous_strides(self.shape))
+        return SimpleNamespace(c_contiguous=self.strides == packed)
+
 
 @pytest.fixture
 def offline_program(monkeypatch):
@@ -78,13 +83,14 @@ def offline_program(monkeypatch):
             default_cache().get(step.spec, "sm_90")
 
     fake_cupy = SimpleNamespace(ndarray=Fake, empty=Fake, cuda=SimpleNamespace(runtime=SimpleNamespace(
-        getDevice=lambda: 0)))
+        getDevice=lambda: 0), Device=lambda device: SimpleNamespace(attributes={"MultiProcessorCount": 132})))
     monkeypatch.setattr(fa, "call", call)
     monkeypatch.setattr(functional, "_run", run)
     monkeypatch.setattr(arrays, "cupy", lambda: fake_cupy)
     monkeypatch.setattr(launcher, "run", launch)
     monkeypatch.setattr(functional_matmul, "_PLANS", {})
     monkeypatch.setattr(functional_conv, "_PLANS", {})
+    monkeypatch.setattr(functional_attention_decode, "_PLANS", {})
     return lambda: monkeypatch.setenv("NVDNN_NO_COMPILE", "1")  # call after warming
 
 
@@ -172,6 +178,24 @@ def run_decoder_layer(p: dict, dtype: str) -> int:
     return 22
 
 
+def run_decode_step(p: dict, batch: int, dtype: str) -> int:
+    """One decoding step of a LLaMA-style layer: RMS norm, the projections at one token a
+    sequence, SiLU * up, and attention against a paged cache; the number of nvdnn calls."""
+    x, w = Fake((batch, p["hidden"]), dtype), Fake((p["hidden"],), dtype)
+    nvdnn.rms_norm(x, w), nvdnn.rms_norm(x, w, residual=x)
+    kv = p["kv_heads"] or p["heads"]
+    for n_in, n_out in ((p["hidden"], (p["heads"] + 2 * kv) * p["head_dim"]), (p["heads"] * p["head_dim"], p["hidden"]),
+                        (p["hidden"], p["ffn"]), (p["ffn"], p["hidden"])):
+        nvdnn.matmul(Fake((batch, n_in), dtype), Fake((n_out, n_in), dtype).T)   # x @ w.T, nn.Linear's weight
+    h = Fake((batch, p["ffn"]), dtype)
+    nvdnn.elementwise([("silu", ""), ("mul", "x1")], h, h)
+    blocks = -(-p["context"] // p["block_size"])
+    cache = Fake((batch * blocks, p["block_size"], kv, p["head_dim"]), dtype)
+    nvdnn.decode_attention(Fake((batch, p["heads"], 1, p["head_dim"]), dtype), cache, cache,
+                           Fake((batch,), "int32"), Fake((batch, blocks), "int32"))
+    return 8
+
+
 def _missing(name: str) -> set:
     """The model's ops that have no kernel family now (matmul, say, until its anchor op lands)."""
     return {row.op for row in models.MODELS[name].layers if models.missing_family(row.op)}
@@ -209,9 +233,21 @@ def test_transformer_warms_and_its_program_finds_every_kernel(cache_dir, offline
         run_decoder_layer(plan.params | {"seq": 16384}, "bfloat16")
 
 
+def test_decode_warms_and_its_program_finds_every_kernel(cache_dir, offline_program, monkeypatch):
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+    given = {"hidden": "1024", "heads": "16", "kv_heads": "4", "ffn": "2816", "context": "2000", "batch": "1,64"}
+    plan = _warmed("decode", given, cache_dir)
+    assert plan.skipped == {} and plan.variants == 2
+    offline_program()
+    for batch in (1, 64):
+        assert run_decode_step(plan.params, batch, "bfloat16") == 8
+    with pytest.raises(CacheMissError):
+        run_decode_step(plan.params | {"context": 64}, 1, "bfloat16")  # one tile: the unsplit kernel, not warmed
+
+
 def test_every_model_preset_has_a_program_above():
     """Each preset is warmed and then run the README's way by a test above; a new preset adds one."""
-    assert set(models.MODELS) == {"resnet50", "transformer"}
+    assert set(models.MODELS) == {"resnet50", "transformer", "decode"}
 
 
 def test_default_transformer_plans_for_two_archs_with_every_candidate():

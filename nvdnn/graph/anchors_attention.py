@@ -1,13 +1,14 @@
 """The attention rows of the anchor op table (graph/anchors.py): sdpa, the cuDNN frontend's
 scaled-dot-product attention node, o = softmax(attn_scale * q k^T [causal]) v and its rows'
 log-sum-exp ``stats``, planned by kernels/attention.py; sdpa_backward, (dq, dk, dv) from q, k,
-v, o, do and those stats, planned by kernels/attention_backward.py. Grouped-query attention
-follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
+v, o, do and those stats, planned by kernels/attention_backward.py; sdpa_decode, o of a few new
+query rows against a paged key / value cache (kernels/attention_decode.py). Grouped-query
+attention follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
 from __future__ import annotations
 
 from .. import reference as ref
 from ..errors import DTypeError, UnsupportedError
-from ..kernels import attention, attention_backward
+from ..kernels import attention, attention_backward, attention_decode
 from . import rules
 from .anchors import AnchorOp, Meta, _need, register
 from .tensor import contiguous_strides
@@ -86,3 +87,51 @@ register(AnchorOp("sdpa_backward", "attention", ("q", "k", "v", "o", "do", "stat
                   lambda a, m: [Meta(m[r].dims, attention.output_strides(m[r].dims, m[r].strides), m["q"].data_type)
                                 for r in ("q", "k", "v")],
                   _plan_backward, _reference_backward, epilogue=False, tiles=False, check=_check_backward))
+
+
+# -- sdpa_decode: a few new rows a sequence against a paged KV cache (kernels/attention_decode.py) --
+
+_DECODE_ATTRS = (("attn_scale", None, rules.optional(rules.real())), ("causal", False, rules.FLAG))
+
+
+def _check_decode(a, m):
+    """q (B, Hq, Sq, D); k_cache and v_cache (pages, block_size, Hkv, D) of q's type, Hkv dividing
+    Hq; block_table (B, blocks) and seq_len_kv (B,) int32."""
+    q, k, v, table, lens = (m[r] for r in ("q", "k_cache", "v_cache", "block_table", "seq_len_kv"))
+    for role in ("q", "k_cache", "v_cache"):
+        _need(len(m[role].dims) == 4, role, f"has dims {list(m[role].dims)}; needs "
+              + ("(B, Hq, Sq, D)" if role == "q" else "(pages, block_size, Hkv, D)"))
+        if m[role].data_type and q.data_type and m[role].data_type != q.data_type:
+            raise DTypeError(f"'{role}' is {m[role].data_type}; needs q's {q.data_type}", arg=role)
+    _need(tuple(v.dims) == tuple(k.dims), "v_cache", f"has dims {list(v.dims)}; needs k_cache's {list(k.dims)}")
+    _need(k.dims[2] > 0 and q.dims[1] % k.dims[2] == 0, "k_cache", f"has {k.dims[2]} heads (dim 2); they must "
+          f"divide q's {q.dims[1]}")
+    _need(k.dims[3] == q.dims[3], "k_cache", f"head dim {k.dims[3]}; needs q's {q.dims[3]}")
+    _need(len(table.dims) == 2 and table.dims[0] == q.dims[0], "block_table", f"has dims {list(table.dims)}; needs "
+          f"({q.dims[0]}, blocks)")
+    _need(tuple(lens.dims) == (q.dims[0],), "seq_len_kv", f"has dims {list(lens.dims)}; needs ({q.dims[0]},)")
+    for role, meta in (("block_table", table), ("seq_len_kv", lens)):
+        if meta.data_type not in (None, "int32"):
+            raise DTypeError(f"'{role}' is {meta.data_type}; needs int32", arg=role)
+
+
+def _plan_decode(a, o, e):
+    q = o["q"]
+    if e.out_dtype not in (None, q.dtype):
+        raise UnsupportedError(f"sdpa_decode: o is {e.out_dtype}; the kernel writes q's {q.dtype}", arg="o")
+    plan = attention_decode.plan_decode(q, o["k_cache"], o["v_cache"], block_size=o["k_cache"].shape[1],
+                                        table=o["block_table"], causal=a["causal"], scale=a["attn_scale"])
+    launch = plan.launches[0]  # the graph names the lengths seq_len_kv, as cuDNN's sdpa does
+    pointers = tuple("seq_len_kv" if role == "cache_seqlens" else role for role in launch.pointers)
+    return plan._replace(launches=(launch._replace(pointers=pointers),))
+
+
+def _reference_decode(a, v):
+    return (ref.decode_attention(v["q"], v["k_cache"], v["v_cache"], v["seq_len_kv"], v["block_table"],
+                                 scale=a["attn_scale"], is_causal=a["causal"]),)
+
+
+register(AnchorOp("sdpa_decode", "attention_decode", ("q", "k_cache", "v_cache", "block_table", "seq_len_kv"), ("o",),
+                  _DECODE_ATTRS, lambda a, m: [Meta(m["q"].dims, contiguous_strides(m["q"].dims), m["q"].data_type)],
+                  _plan_decode, _reference_decode, epilogue=False, tiles=False, data_types=("int32",),
+                  check=_check_decode))

@@ -131,10 +131,10 @@ def unreadable(op, role: str, names: str) -> str | None:
 
 def plan_decode(q, k, v, *, block_size: int | None = None, table=None, causal: bool = False,
                 scale: float | None = None, out=None, sms: int = SMS, spec: AttentionDecodeSpec | None = None) -> Plan:
-    """One launch: out (q's dims; its Operand when given, else packed BHSD) from
+    """One launch: o (q's dims; ``out``, its Operand, when given, else packed BHSD) from
     Operands q (B, Hq, Sq, D) and k, v: (B, Hkv, S, D) contiguous caches, or with ``block_size``
     (pages, block_size, Hkv, D) paged ones and ``table`` the block table's Operand (B, blocks).
-    Pointers: out, q, k_cache, v_cache[, block_table], cache_seqlens[, scratch0, scratch1]."""
+    Pointers: o, q, k_cache, v_cache[, block_table], cache_seqlens[, scratch0, scratch1]."""
     b, hq, sq, d = q.shape
     paged = block_size is not None
     hkv, max_keys = (k.shape[2], table.shape[1] * block_size) if paged else (k.shape[1], k.shape[2])
@@ -172,7 +172,7 @@ def plan_decode(q, k, v, *, block_size: int | None = None, table=None, causal: b
     args = (*(np.int32(x) for x in (groups, sq, rows, chunks, d, max_keys, splits, *paging)),
             np.float32(scale * math.log2(math.e)),
             *(np.int64(x) for x in (*q.strides[:3], *o_strides[:3], *ks, *vs)))
-    pointers = (("out", "q", "k_cache", "v_cache") + (("block_table",) if paged else ()) + ("cache_seqlens",)
+    pointers = (("o", "q", "k_cache", "v_cache") + (("block_table",) if paged else ()) + ("cache_seqlens",)
                 + (("scratch0", "scratch1") if spec.split else ()))
     launch = Launch(spec, (splits, hkv * chunks, b), (THREADS, 1, 1), spec.smem_bytes, pointers, args)
     scratch = (units * splits * CHUNK * spec.hd * 4, units * splits * CHUNK * 8) if spec.split else ()

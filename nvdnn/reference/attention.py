@@ -246,6 +246,10 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
     k, v = _f64(key_cache), _f64(value_cache)
     if block_table is not None:
         table = np.asarray(block_table)
+        if table.dtype.kind == "f":  # a graph's NumPy backend hands every tensor over in float64
+            if (table != np.round(table)).any():
+                raise ValueError("block_table: page numbers must be integers")
+            table = table.astype(np.int64)
         if table.size and (table.min() < 0 or table.max() >= k.shape[0]):
             raise ValueError(f"block_table: page numbers must lie in [0, {k.shape[0]})")
         # (B, blocks, block_size, Hkv, D) -> (B, Hkv, blocks * block_size, D)
