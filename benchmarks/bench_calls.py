@@ -25,6 +25,8 @@ import os
 import sys
 from functools import partial
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after PYTHONPATH: a tree named there runs
 from common import table, write_json  # noqa: E402
@@ -34,7 +36,8 @@ import nvdnn  # noqa: E402
 
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
              "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0,
-             "nvdnn.functional_attention": 14.0, "nvdnn.functional_attention_backward": 14.0}
+             "nvdnn.functional_attention": 14.0, "nvdnn.functional_attention_backward": 14.0,
+             "nvdnn.functional_attention_decode": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -277,6 +280,23 @@ def _sdpa_backward(size):
                                                        is_causal=True, enable_gqa=True), pt)
 
 
+def _decode(size):
+    """One new token a sequence against a contiguous bf16 cache of GQA heads (nvdnn: one launch,
+    the lengths made once); PyTorch's SDPA over the same cache."""
+    b, hq, hkv, s, d = (1, 8, 2, 64, 64) if size == "small" else (8, 32, 8, 4096, 128)
+    q, k, v = Arr((b, hq, 1, d), "bfloat16"), Arr((b, hkv, s, d), "bfloat16"), Arr((b, hkv, s, d), "bfloat16")
+
+    def nv(n, q, k, v):
+        if hasattr(q, "new_full"):  # torch tensors: the lengths as one too
+            import torch
+            lens = q.new_full((b,), s, dtype=torch.int32)
+        else:  # CuPy or, in the CPU tests, NumPy
+            lens = (np if isinstance(q, np.ndarray) else __import__("cupy")).full((b,), s, dtype=np.int32)
+        return partial(n.decode_attention, q, k, v, lens)
+    return Case("calls", "decode_attention", (q, k, v), nv,
+                lambda t, q, k, v: partial(t.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True))
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -290,7 +310,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
                  or (_conv2d(size) if name == "conv2d" else None)
                  or (_conv2d_backward(size) if name == "conv2d_backward" else None)
                  or (_sdpa(size) if name == "scaled_dot_product_attention" else None)
-                 or (_sdpa_backward(size) if name == "scaled_dot_product_attention_backward" else None))
+                 or (_sdpa_backward(size) if name == "scaled_dot_product_attention_backward" else None)
+                 or (_decode(size) if name == "decode_attention" else None))
                 for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)

@@ -95,8 +95,8 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
     default. The result has query's shape and layout (or is written into ``out``).
     """
     check_decode(query, key_cache, value_cache, cache_seqlens, block_table, scale, is_causal, out)
-    checks.unmeasured("decode_attention", "kernel", "query")
     device = checks.device()
+    checks.unmeasured("decode_attention", "kernel", "query")
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k_cache": key_cache, "v_cache": value_cache})
     kind = dtypes.of_array(xs["q"], arg="query").name
@@ -131,13 +131,13 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
         plan = _PLANS.get(key)
         if plan is None:
             from .compiler import device_arch
-            reason = family.arch_reason(device_arch(device))
-            if reason:
-                raise UnsupportedError(f"decode_attention: {reason}")
             plan = family.plan_decode(ops["q"], ops["k_cache"], ops["v_cache"],
                                       block_size=ops["k_cache"].shape[1] if paged else None, table=table,
                                       causal=bool(is_causal), scale=scale, out=_operand(o, kind),
                                       sms=_multiprocessors(device))
+            reason = family.unsupported_reason(plan.launches[0].spec, device_arch(device))
+            if reason:
+                raise UnsupportedError(f"decode_attention: {reason}", arg="query")
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan

@@ -58,15 +58,26 @@ TRANSFORMER_LAYERS = (
 )
 
 
-def _transformer_variants(p: dict) -> list[dict]:
+def _head_sizes(p: dict, preset: str) -> dict:
+    """hidden, the heads, and the projections' widths (qkv, attn) a layer's parameters give."""
     kv = p["kv_heads"] or p["heads"]
     if p["heads"] % kv:
-        raise ValidationError(f"--param kv_heads={kv}: bad value for transformer's 'kv_heads': heads ({p['heads']}) "
+        raise ValidationError(f"--param kv_heads={kv}: bad value for {preset}'s 'kv_heads': heads ({p['heads']}) "
                               "must be a multiple of it", arg="kv_heads")
-    base = dict(hidden=p["hidden"], heads=p["heads"], kv_heads=kv, head_dim=p["head_dim"], seq=p["seq"],
-                batch=p["batch"], ffn=p["ffn"] or 4 * p["hidden"], tokens=p["batch"] * p["seq"],
-                qkv=(p["heads"] + 2 * kv) * p["head_dim"], attn=p["heads"] * p["head_dim"],
-                training=p["training"])
+    return dict(hidden=p["hidden"], heads=p["heads"], kv_heads=kv, head_dim=p["head_dim"],
+                qkv=(p["heads"] + 2 * kv) * p["head_dim"], attn=p["heads"] * p["head_dim"])
+
+
+# the layer's sizes, as both presets take them
+_SIZE_PARAMS = (Param("hidden", "int", "4096", "hidden size"),
+                Param("heads", "int", "32", "attention heads"),
+                Param("head_dim", "int", "128", "size of one head"))
+
+
+def _transformer_variants(p: dict) -> list[dict]:
+    base = _head_sizes(p, "transformer") | dict(
+        seq=p["seq"], batch=p["batch"], ffn=p["ffn"] or 4 * p["hidden"], tokens=p["batch"] * p["seq"],
+        training=p["training"])
     return [base | {"dtype": dt, "layout": "packed", "norm": kind} for dt in p["dtype"] for kind in p["norm"]]
 
 
@@ -75,9 +86,7 @@ TRANSFORMER = Model(
     "(+causal, backward), bias + GELU / SiLU, SiLU * up, the projections as nn.Linear layers (x @ w.T + b; "
     "the MLP's up projection with GELU; a gated MLP's gate and up without bias), causal attention (fused "
     "SDPA: o and the rows' log-sum-exp; training: its backward, dQ, dK, dV)",
-    (Param("hidden", "int", "4096", "hidden size"),
-     Param("heads", "int", "32", "attention heads"),
-     Param("head_dim", "int", "128", "size of one head"),
+    (*_SIZE_PARAMS,
      Param("kv_heads", "int0", "0", "key/value heads, 0: as many as heads"),
      Param("ffn", "int0", "0", "MLP width, 0: 4 x hidden"),
      Param("seq", "int", "2048", "sequence length, the softmax rows' length"),
@@ -105,15 +114,10 @@ DECODE_LAYERS = (
 
 
 def _decode_variants(p: dict) -> list[dict]:
-    kv = p["kv_heads"] or p["heads"]
-    if p["heads"] % kv:
-        raise ValidationError(f"--param kv_heads={kv}: bad value for decode's 'kv_heads': heads ({p['heads']}) "
-                              "must be a multiple of it", arg="kv_heads")
     blocks = -(-p["context"] // p["block_size"])
-    return [dict(hidden=p["hidden"], heads=p["heads"], kv_heads=kv, head_dim=p["head_dim"], ffn=p["ffn"],
-                 qkv=(p["heads"] + 2 * kv) * p["head_dim"], attn=p["heads"] * p["head_dim"], batch=batch,
-                 tokens=batch, block_size=p["block_size"], blocks=blocks, pages=batch * blocks, dtype=dt,
-                 layout="packed", norm="rms", training=False)
+    base = _head_sizes(p, "decode") | dict(ffn=p["ffn"], block_size=p["block_size"], blocks=blocks, layout="packed",
+                                           norm="rms", training=False)
+    return [base | dict(batch=batch, tokens=batch, pages=batch * blocks, dtype=dt)
             for batch in p["batch"] for dt in p["dtype"]]
 
 
@@ -121,9 +125,7 @@ DECODE = Model(
     "decode", "one decoding step of a LLaMA-style layer at a server's batch sizes: RMS norm (+residual), the "
     "QKV, output and gated-MLP projections at one token a sequence, SiLU * up, and attention of each new "
     "token against a paged KV cache (block_size keys a page)",
-    (Param("hidden", "int", "4096", "hidden size"),
-     Param("heads", "int", "32", "attention heads"),
-     Param("head_dim", "int", "128", "size of one head"),
+    (*_SIZE_PARAMS,
      Param("kv_heads", "int0", "8", "key/value heads, 0: as many as heads"),
      Param("ffn", "int", "14336", "MLP width"),
      Param("context", "int", "4096", "the longest sequence the cache holds"),

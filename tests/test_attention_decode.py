@@ -171,7 +171,10 @@ def measuring(monkeypatch):
 
 
 def test_unmeasured_kernel_is_refused_by_default(monkeypatch):
+    """After the argument checks and the device's: what the GPU would run is the part not measured."""
+    from nvdnn import functional_checks
     monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
+    monkeypatch.setattr(functional_checks, "device", lambda: 0)
     with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED"):
         nvdnn.decode_attention(_np((1, 2, 1, 64)), _np((1, 2, 9, 64)), _np((1, 2, 9, 64)))
 
@@ -236,3 +239,17 @@ def test_graph_sdpa_decode_is_one_kernel_and_runs_the_numpy_reference():
         g.sdpa_decode(q, g.tensor(dims=[4, block, 3, d]), g.tensor(dims=[4, block, 3, d]), table, lens)
     with pytest.raises(DTypeError, match="'seq_len_kv' is float32"):
         g.sdpa_decode(q, k, v, table, g.tensor(dims=[b], data_type="float32"))
+
+
+def test_shared_memory_and_counter_limits_refuse_before_launch():
+    d256 = AttentionDecodeSpec("bfloat16", 256, False, True, False)
+    assert "shared memory" in decode.unsupported_reason(d256, "sm_89")
+    assert decode.unsupported_reason(d256, "sm_80") is None and decode.unsupported_reason(d256, "sm_90") is None
+    assert "shared memory" in decode.unsupported_reason(AttentionDecodeSpec("bfloat16", 256, False, True, False, 3),
+                                                        "sm_80")
+    q, k = _op((5000, 1, 1, 64)), _op((5000, 1, 10, 64))
+    with pytest.raises(UnsupportedError, match="at most 4096"):
+        decode.plan_decode(q, k, k, spec=AttentionDecodeSpec("bfloat16", 64, False, False, True))
+    with pytest.raises(UnsupportedError, match="block_table: its rows"):
+        decode.plan_decode(_op((2, 4, 1, 64)), _op((9, 16, 4, 64)), _op((9, 16, 4, 64)), block_size=16,
+                           table=_op((2, 3), "int32", strides=(1, 2)))

@@ -119,6 +119,9 @@ def _plan_decode(a, o, e):
     q = o["q"]
     if e.out_dtype not in (None, q.dtype):
         raise UnsupportedError(f"sdpa_decode: o is {e.out_dtype}; the kernel writes q's {q.dtype}", arg="o")
+    if o["seq_len_kv"].shape[0] > 1 and o["seq_len_kv"].strides[0] != 1:
+        raise UnsupportedError(f"seq_len_kv: stride {o['seq_len_kv'].strides[0]}; the kernel reads it packed",
+                               arg="seq_len_kv")
     plan = attention_decode.plan_decode(q, o["k_cache"], o["v_cache"], block_size=o["k_cache"].shape[1],
                                         table=o["block_table"], causal=a["causal"], scale=a["attn_scale"])
     launch = plan.launches[0]  # the graph names the lengths seq_len_kv, as cuDNN's sdpa does

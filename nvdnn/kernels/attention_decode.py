@@ -20,6 +20,7 @@ from ..errors import UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
 from .attention import DTYPES
+from .matmul.specs import smem_limit
 from .reduce import GRID_COUNTERS
 
 HEAD_TILES = (64, 128, 256)    # the head dim padded to one of these (16-byte chunks tile a block's rows)
@@ -100,6 +101,13 @@ def arch_reason(arch: str) -> str | None:
 
 
 def unsupported_reason(spec, arch: str) -> str | None:
+    """Why ``arch`` cannot run ``spec``: no cp.async / bf16 MMA, or less shared memory a block than
+    the spec's ring (head dim 256 on sm_86 / sm_89)."""
+    from ..compiler import arch_number
+    limit = smem_limit(arch_number(arch)) if not arch_reason(arch) else 0
+    if limit and spec.smem_bytes > limit:
+        return (f"{spec.uri} takes {spec.smem_bytes} bytes of shared memory a block; {arch} gives {limit} (head "
+                "dims up to 128 fit every arch from sm_80)")
     return arch_reason(arch)
 
 
@@ -162,6 +170,12 @@ def plan_decode(q, k, v, *, block_size: int | None = None, table=None, causal: b
     splits = split_count(units, -(-max_keys // KEYS_A_TILE), sms)
     spec = spec or AttentionDecodeSpec(q.dtype, head_tile(d), bool(causal) and sq > 1, paged, splits > 1)
     splits = splits if spec.split else 1
+    if spec.split and units > GRID_COUNTERS:
+        raise UnsupportedError(f"query: a split spec finishes at most {GRID_COUNTERS} (sequence, key head, row "
+                               f"chunk) items in one launch, this call has {units}; plan without a spec", arg="query")
+    if paged and table.shape[1] > 1 and table.strides[1] != 1:
+        raise UnsupportedError(f"block_table: its rows must be contiguous (dim 1 stride 1), got {table.strides[1]}",
+                               arg="block_table")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if paged:
         ks, vs = ((op.strides[0], op.strides[1], op.strides[2]) for op in (k, v))

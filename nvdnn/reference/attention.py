@@ -236,7 +236,7 @@ def varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_kv, **options):
     return (o, np.concatenate(lses, axis=-1)) if options.get("return_lse") else o
 
 
-def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_table=None, scale=None,
+def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_table=None, *, scale=None,
                      is_causal=False):
     """Attention of q (B, Hq, Sq, D) against each sequence's first cache_seqlens[b] keys (all of
     them when None): key_cache / value_cache (B, Hkv, S, D), or with ``block_table`` (B, blocks)
