@@ -59,14 +59,14 @@ def run(torch, nvdnn, name, b, hq, hkv, s, d, sq, copy_tbs) -> dict:
     k_pages, v_pages = paged(k), paged(v)
     lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
     causal = sq > 1
+    mask = None
+    if causal:  # bottom-right: the new rows are the last Sq positions
+        mask = torch.ones(sq, s, device="cuda", dtype=torch.bool).tril(s - sq)
     out = torch.empty_like(q)
     fns = {"paged": lambda _: nvdnn.decode_attention(q, k_pages, v_pages, lens, table, is_causal=causal, out=out),
            "contiguous": lambda _: nvdnn.decode_attention(q, k, v, lens, is_causal=causal, out=out),
            "torch": lambda _: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv,
                                                                                 attn_mask=mask)}
-    mask = None
-    if causal:  # bottom-right: the new rows are the last Sq positions
-        mask = torch.ones(sq, s, device="cuda", dtype=torch.bool).tril(s - sq)
     moved = 2 * b * hkv * s * d * 2
     row = {"config": name}
     for label, fn in fns.items():

@@ -14,6 +14,7 @@ from .functional_attention import device_vector
 from .functional_conv import _empty
 from .functional_matmul import _check_out, _operand
 from .kernels import attention_decode as family
+from .kernels.matmul.planning import sm_count
 
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
@@ -134,7 +135,7 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
             plan = family.plan_decode(ops["q"], ops["k_cache"], ops["v_cache"],
                                       block_size=ops["k_cache"].shape[1] if paged else None, table=table,
                                       causal=bool(is_causal), scale=scale, out=_operand(o, kind),
-                                      sms=_multiprocessors(device))
+                                      sms=sm_count())
             reason = family.unsupported_reason(plan.launches[0].spec, device_arch(device))
             if reason:
                 raise UnsupportedError(f"decode_attention: {reason}", arg="query")
@@ -147,7 +148,3 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
             out[...] = o.get()
         return out
     return back(o) if back is not None else o
-
-
-def _multiprocessors(device: int) -> int:
-    return arrays.cupy().cuda.Device(device).attributes["MultiProcessorCount"]

@@ -83,7 +83,7 @@ def offline_program(monkeypatch):
             default_cache().get(step.spec, "sm_90")
 
     fake_cupy = SimpleNamespace(ndarray=Fake, empty=Fake, cuda=SimpleNamespace(runtime=SimpleNamespace(
-        getDevice=lambda: 0), Device=lambda device: SimpleNamespace(attributes={"MultiProcessorCount": 132})))
+        getDevice=lambda: 0)))
     monkeypatch.setattr(fa, "call", call)
     monkeypatch.setattr(functional, "_run", run)
     monkeypatch.setattr(arrays, "cupy", lambda: fake_cupy)

@@ -26,10 +26,10 @@ from .reduce import GRID_COUNTERS
 HEAD_TILES = (64, 128, 256)    # the head dim padded to one of these (16-byte chunks tile a block's rows)
 KEYS_A_TILE = 64
 CHUNK = 16                     # query rows a block: one m16 tile of the group's heads x positions
-THREADS = 128
+WARPS = 4                      # each takes 16 keys of a tile (one m16n8k16 K step of P V)
+THREADS = 32 * WARPS
 MAX_SPLITS = 64
 SMS = 132                      # the multiprocessors a split count aims to fill (an H100's / H200's)
-SMEM_PER_SM = 228 * 1024
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _MMA = {"float16": "mma_f16_16816", "bfloat16": "mma_bf16_16816"}
 QUERY_DIMS = "batch, heads, rows, head dim"
@@ -38,9 +38,9 @@ CACHE_DIMS = {False: "batch, heads, keys, head dim", True: "pages, block_size, h
 
 @dataclass(frozen=True)
 class AttentionDecodeSpec(KernelSpec):
-    """Pointers: out, q, k_cache, v_cache, block_table (``paged``), cache_seqlens, the split's
+    """Pointers: o, q, k_cache, v_cache, block_table (``paged``), cache_seqlens, the split's
     partial O and (m, l) (``split``); then groups, sq, rows (groups * sq), chunks, d, max_keys,
-    splits, with ``paged`` pages, block_size and table_stride; scale_log2; q's, out's (batch,
+    splits, with ``paged`` pages, block_size and table_stride; scale_log2; q's, o's (batch,
     head, row) and the caches' (page or batch, slot or row, head) element strides."""
     family = "attention_decode"
     template = "attention/decode.cu.j2"
@@ -64,7 +64,7 @@ class AttentionDecodeSpec(KernelSpec):
     def smem_bytes(self) -> int:
         """The query rows, then the K and V ring, which the warps' partial results reuse."""
         ring = 2 * self.stages * KEYS_A_TILE * (self.hd + 8) * 2
-        meeting = 4 * (4 * CHUNK * self.hd + 4 * CHUNK * 2 + max(4 * CHUNK + 2 * CHUNK, MAX_SPLITS * CHUNK))
+        meeting = 4 * (WARPS * CHUNK * (self.hd + 2) + max((WARPS + 2) * CHUNK, MAX_SPLITS * CHUNK))
         return CHUNK * (self.hd + 8) * 2 + max(ring, meeting)
 
     @property
@@ -80,7 +80,8 @@ class AttentionDecodeSpec(KernelSpec):
     def render_context(self) -> dict:
         io = "const io_t* __restrict__ "
         return {"io_t": _CTYPE[self.dtype], "mma": _MMA[self.dtype], "hd": self.hd, "stages": self.stages,
-                "causal": self.causal, "paged": self.paged, "split": self.split,
+                "causal": self.causal, "paged": self.paged, "split": self.split, "keys_a_tile": KEYS_A_TILE,
+                "chunk": CHUNK, "warps": WARPS,
                 "params": ["io_t* __restrict__ out", io + "q", io + "k_cache", io + "v_cache"]
                 + (["const int* __restrict__ block_table"] if self.paged else [])
                 + ["const int* __restrict__ cache_seqlens"]

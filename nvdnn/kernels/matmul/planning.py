@@ -121,7 +121,8 @@ def _vec(width: int, align: int, extent: int, lead: int) -> int:
     return vec
 
 
-def _sm_count() -> int:
+def sm_count() -> int:
+    """The current device's multiprocessors (DEFAULT_SMS without CuPy or a device: deviceless planning)."""
     cupy = sys.modules.get("cupy")
     if cupy is None:
         return DEFAULT_SMS
@@ -236,7 +237,7 @@ def plan_matmul(a: Operand, b: Operand, *, bias: Operand | None = None, bias_axi
     a_major, a_sm, a_sk = _major(geo.a[0], geo.a[1], m, k, "k", "m")
     b_major, b_sn, b_sk = _major(geo.b[1], geo.b[0], n, k, "k", "n")
     arch_n = _arch_number(arch)
-    sms = sms or _sm_count()
+    sms = sms or sm_count()
     skinny = None if gather or b_gather else plan_skinny(req, geo, (a_major, a_sm, a_sk, a.align),
                                              (b_major, b_sn, b_sk, b.align), bstride,
                                              out_strides, r_strides, scalars, params, tile, split_k, sms)
