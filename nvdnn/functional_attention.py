@@ -24,14 +24,16 @@ NOT_YET = ("dropout_mask",)
 
 @checks.remembered
 def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    extras, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed=None) -> None:
+                    extras, window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed=None,
+                    dropout_seed=None) -> None:
     """Ranks, heads, lengths, head dims and types, and the options the kernel takes, before any
     device work, the same on every machine. ``packed``: (cu_seqlens_q, cu_seqlens_kv,
     max_seqlen_q) of (T, H, D) tensors, checked as (1, H, T, D) ones."""
     for name, given in zip(NOT_YET, extras):
         if given is not None:
-            raise UnsupportedError(f"{name}: the attention kernel does not take it yet; "
-                                   "nvdnn.reference.scaled_dot_product_attention computes it", arg=name)
+            raise UnsupportedError(f"{name}: the attention kernels draw their own dropout from dropout_seed "
+                                   "(nvdnn.reference.attention_dropout_mask gives it) and take no other mask",
+                                   arg=name)
     metas = {role: checks.describe(x, role) for role, x in (("query", query), ("key", key), ("value", value))}
     batch = None
     if packed is not None:
@@ -61,8 +63,7 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                                f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
     if attn_mask is not None:
         _check_mask(attn_mask, q, k, packed is not None)
-    if not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise UnsupportedError(f"dropout_p: {dropout_p!r}; the attention kernel has no dropout yet", arg="dropout_p")
+    _check_dropout(dropout_p, dropout_seed, packed is not None)
     checks.flag(is_causal, "scaled_dot_product_attention", "is_causal")
     checks.flag(enable_gqa, "scaled_dot_product_attention", "enable_gqa")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
@@ -74,6 +75,46 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     want = tuple(query.shape) if packed is not None else q.shape
     if out is not None and checks.describe(out, "out").shape != want:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {want}", arg="out")
+
+
+def _check_dropout(dropout_p, dropout_seed, packed: bool) -> None:
+    """dropout_p a probability; above 0 it needs dropout_seed: an int seed (offset 0), a (seed,
+    offset) pair, or a (2,) int64 / uint64 array {seed, offset} read at run time."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)) or not 0 <= dropout_p <= 1:
+        raise ValidationError(f"dropout_p: {dropout_p!r}; a probability in [0, 1]", arg="dropout_p")
+    if not dropout_p:
+        return
+    if packed:
+        raise UnsupportedError("dropout_p: packed sequences take no dropout yet", arg="dropout_p")
+    if dropout_seed is None:
+        raise ValidationError(f"dropout_seed: dropout_p={dropout_p} needs the seed the backward repeats: an int, "
+                              "a (seed, offset) pair, or a device array of two int64 {seed, offset}",
+                              arg="dropout_seed")
+    pair = dropout_seed if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
+    if len(pair) == 2 and all(type(x) is int for x in pair):
+        if not (0 <= pair[0] < 2 ** 64 and 0 <= pair[1] < 2 ** 32):
+            raise ValidationError(f"dropout_seed: {dropout_seed!r}; the seed is 64 bits (0 <= seed < 2^64), the "
+                                  "offset 32 bits", arg="dropout_seed")
+        return
+    meta = checks.describe(dropout_seed, "dropout_seed")
+    if meta.shape != (2,) or meta.dtype not in ("int64", "uint64"):
+        raise ValidationError(f"dropout_seed: {meta.dtype} {meta.shape}; an int, a (seed, offset) pair of ints, or "
+                              "an int64 / uint64 array (2,) holding {seed, offset}", arg="dropout_seed")
+
+
+def dropout_input(cp, dropout_p, dropout_seed) -> tuple[dict, dict]:
+    """The {seed, offset} device words by pointer role, and the plan's keyword; a device array
+    is read in place (a replay reads its new contents), ints are copied per call."""
+    if not dropout_p:
+        return {}, {}
+    if isinstance(dropout_seed, (int, tuple, list)):
+        callsite.refuse("dropout_seed copied to the device")
+        seed, offset = dropout_seed if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
+        words = cp.asarray(np.array([seed, offset], np.uint64))
+    else:
+        words = device_vector(cp, dropout_seed, np.uint64 if str(dropout_seed.dtype).endswith("uint64")
+                              else np.int64, "dropout_seed")
+    return {"dropout_seed": words}, {"dropout": float(dropout_p)}
 
 
 def gate_unmeasured(where: str, **given) -> None:
@@ -216,8 +257,8 @@ def _longest(cu, name: str) -> int:
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
                                  softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None,
-                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, return_lse=False, out=None,
-                                 stream=None):
+                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, dropout_seed=None,
+                                 return_lse=False, out=None, stream=None):
     """softmax(scale * query key^T [causal]) value in one kernel, PyTorch's meanings.
 
     query (B, Hq, Sq, D), key and value (B, Hkv, Sk, D) (or all without B), fp16 / bf16, in any
@@ -234,14 +275,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     -slope * |i' - j|. ``cu_seqlens_q`` / ``cu_seqlens_kv`` (int32, sequences + 1): variable-length
     sequences packed along T of (T, H, D) tensors, sequence b at rows cu[b]:cu[b + 1]
     (flash_attn_varlen's layout; ``max_seqlen_q``, the longest query sequence, is read from
-    cu_seqlens_q when not given); o is (T, Hq, D) and lse (Hq, T). ``dropout_mask`` (the
-    reference's) raises an UnsupportedError until the kernel draws its own.
+    cu_seqlens_q when not given); o is (T, Hq, D) and lse (Hq, T). ``dropout_p``: each
+    probability dropped with that chance (rounded to a multiple of 2^-16), the kept ones scaled
+    to stay unbiased, drawn from ``dropout_seed`` -- an int, a (seed, offset) pair, or a device
+    array of two int64 {seed, offset} read when the kernel runs (change it in place between
+    steps: a repeat call or a CUDA graph replay then draws anew); pass the backward the same
+    seed. nvdnn.reference.attention_dropout_mask gives the mask drawn; ``dropout_mask`` (the
+    reference's) is not taken.
     """
     packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
               else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q))
-    gate_unmeasured("scaled_dot_product_attention", attn_mask=attn_mask, cu_seqlens_q=packed)
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
-                    (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed)
+                    (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed,
+                    dropout_seed)
+    gate_unmeasured("scaled_dot_product_attention", attn_mask=attn_mask, cu_seqlens_q=packed,
+                    dropout_p=dropout_p or None)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})
@@ -264,6 +312,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     extra, options = feature_inputs(cp, dims, ops["k"].shape[2], window=window, softcap=softcap,
                                     alibi_slopes=alibi_slopes, sinks=sinks, seq_lens_q=seq_lens_q,
                                     seq_lens_kv=seq_lens_kv, packed=packed)
+    drop_extra, drop_options = dropout_input(cp, dropout_p, dropout_seed)
+    extra.update(drop_extra)
+    options.update(drop_options)
     if attn_mask is not None:
         mask = arrays.to_device(attn_mask, "attn_mask")[0]
         mask = cp.broadcast_to(mask, dims[len(dims) - len(query.shape):3] + (ops["k"].shape[2],))

@@ -10,7 +10,7 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, check_attention, feature_inputs, gate_unmeasured
+from .functional_attention import _batched, check_attention, dropout_input, feature_inputs, gate_unmeasured
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -21,7 +21,8 @@ _PLAN_LIMIT = 256
 
 @checks.remembered
 def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
-                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv, packed, not_yet) -> None:
+                   grads, window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv, packed, not_yet,
+                   dropout_seed=None) -> None:
     """The forward's rules for query, key and value; grad_out and output of query's shape and type,
     lse (query's dims but the head dim) float32; the head dims the backward takes; the given
     gradient buffers' shapes. Before any device work, the same on every machine."""
@@ -34,7 +35,7 @@ def check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causa
                                "nvdnn.reference.scaled_dot_product_attention_backward computes it", arg="sinks")
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, None,
                     (dropout_mask,), window, softcap, alibi_slopes, None, seq_lens_q, seq_lens_kv,
-                    packed and packed[:3])  # the forward's rules, dropout's refusal among them
+                    packed and packed[:3], dropout_seed)  # the forward's rules, dropout's among them
     if packed is not None and packed[3] is not None and (type(packed[3]) is not int or packed[3] < 0):
         raise ValidationError(f"max_seqlen_kv: {packed[3]!r}; an int >= 0, the longest key sequence",
                               arg="max_seqlen_kv")
@@ -67,8 +68,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
                                           scale=None, enable_gqa=False, *, alignment="top_left", window=None,
                                           alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
                                           seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
-                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None, grad_query=None,
-                                          grad_key=None, grad_value=None, stream=None):
+                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None, dropout_seed=None,
+                                          grad_query=None, grad_key=None, grad_value=None, stream=None):
     """(grad_query, grad_key, grad_value) of scaled_dot_product_attention's output.
 
     ``output`` and ``lse`` are what the forward returned with ``return_lse=True`` (probabilities
@@ -77,19 +78,20 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     sum over its query heads; window, softcap, ALiBi and padded lengths as the forward took
     them, packed sequences (``cu_seqlens_q`` / ``cu_seqlens_kv``: (T, H, D) tensors, lse (Hq,
     T); the longest sequences read from cu_seqlens when not given); keys past a sequence's
-    length get zero gradients; ``sinks``, ``dropout_p`` and
-    ``dropout_mask`` raise an UnsupportedError until the kernels give dsinks and drop).
+    length get zero gradients; ``dropout_p`` and ``dropout_seed`` the forward's, its {seed,
+    offset} as the forward read them; ``sinks`` and ``dropout_mask`` raise an UnsupportedError).
     Gradients come back in their inputs' layouts, or are written into ``grad_query`` /
     ``grad_key`` / ``grad_value`` when given (device arrays of the inputs' shapes and type, any
     strides).
     """
     packed = (None if cu_seqlens_q is None and cu_seqlens_kv is None
               else (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv))
-    gate_unmeasured("scaled_dot_product_attention_backward", window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, cu_seqlens_q=packed)
     check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
                    (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv,
-                   packed, (sinks, dropout_p, dropout_mask))
+                   packed, (sinks, dropout_p, dropout_mask), dropout_seed)
+    gate_unmeasured("scaled_dot_product_attention_backward", window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, cu_seqlens_q=packed,
+                    dropout_p=dropout_p or None)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": output, "do": grad_out})
@@ -117,6 +119,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     sk = ops["k"].shape[2]
     extra, options = feature_inputs(cp, dims, sk, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                     sinks=None, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, packed=packed)
+    drop_extra, drop_options = dropout_input(cp, dropout_p, dropout_seed)
+    extra.update(drop_extra)
+    options.update(drop_options)
     if math.prod(dims) and sk:
         strides = {role: tuple(s // g.itemsize for s in g.strides) for role, g in grads.items()}
         signature = (device, tuple((r, _signature(a)) for r, a in xs.items()), tuple(strides.items()),

@@ -138,7 +138,8 @@ SPECIFIC = {
                          ["groups > 1"]),
                         (("kwargs", {"out_dw": f32(3, 4, 3, 2)}), ValidationError, ["out_dw", "(3, 4, 3, 3)"])],
     "scaled_dot_product_attention": [(("args", (Q16, Q16[:, :2], Q16[:, :2])), ValidationError, ["enable_gqa"]),
-                                     (("kwargs", {"attn_mask": f32(8, 8)}), UnsupportedError, ["attn_mask", "NVDNN_UNMEASURED"]),
+                                     (("kwargs", {"attn_mask": np.ones((8, 8), bool)}), UnsupportedError,
+                                      ["attn_mask", "NVDNN_UNMEASURED"]),
                                      (("kwargs", {"alignment": "middle"}), ValidationError, ["alignment"])],
     "scaled_dot_product_attention_backward": [
         (("args", (Q16, Q16, Q16, Q16, Q16, f32(1, 4, 9))), ValidationError, ["lse: shape", "(1, 4, 8)"]),

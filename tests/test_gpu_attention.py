@@ -176,6 +176,9 @@ FEATURES = {  # name: (scaled_dot_product_attention keywords, with seq_lens as h
                                      alignment="bottom_right"),
     "alibi": dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
     "alibi_causal_bottom_right": dict(alibi_slopes=[1.0, 0.1, 0.01, 0.0], is_causal=True, alignment="bottom_right"),
+    "dropout": dict(dropout_p=0.2, dropout_seed=(2024, 7)),
+    "dropout_lens_causal": dict(dropout_p=0.5, dropout_seed=2 ** 63 + 5, is_causal=True, seq_lens_q=[200, 1, 0],
+                                seq_lens_kv=[333, 129, 7]),
     "everything": dict(alibi_slopes=[0.05, 0.1, 0.2, 0.4], window=(64, 0), softcap=30.0, sinks=[1.0, 2.0, 3.0, 4.0], seq_lens_kv=[300, 64, 333],
                        is_causal=True),
 }
@@ -271,3 +274,25 @@ def test_sdpa_attn_mask_matches_float64(name, d):
     empty = np.isneginf(want_lse)
     assert (np.isneginf(got_lse) == empty).all(), f"{name}: rows with no key should have lse -inf, and only they"
     assert np.abs(got_lse[~empty] - want_lse[~empty]).max(initial=0.0) <= 2e-3 * max(1.0, np.abs(want_lse[~empty]).max())
+
+
+def test_sdpa_dropout_seed_on_the_device_draws_anew_on_repeat_calls():
+    """A {seed, offset} device array is read when the kernels run: changed in place between
+    repeat calls (the replayed launches), each forward and backward draws the reference's mask
+    for its new contents."""
+    import cupy
+
+    import nvdnn
+    from .test_gpu_attention_backward import _backward_matches
+    rng = np.random.default_rng()
+    arrays = {role: _array(shape, "float16", "BHSD", rng) for role, shape in (
+        ("q", (2, 4, 129, 64)), ("k", (2, 4, 77, 64)), ("v", (2, 4, 77, 64)), ("do", (2, 4, 129, 64)))}
+    (q, q64), (k, k64), (v, v64) = (arrays[role] for role in "qkv")
+    words = cupy.zeros(2, np.int64)
+    for seed, offset in ((1, 0), (1, 1), (-5, 3)):
+        words[...] = cupy.asarray([seed, offset], np.int64)
+        device, host = dict(dropout_p=0.3, dropout_seed=words), dict(dropout_p=0.3, dropout_seed=(seed, offset))
+        got = cupy.asnumpy(nvdnn.scaled_dot_product_attention(q, k, v, **device)).astype(np.float64)
+        err = np.abs(got - nvdnn.reference.scaled_dot_product_attention(q64, k64, v64, **host)).max()
+        assert err <= 2 * TOL["float16"], f"seed {seed} offset {offset}: max |o - ref| {err:.3g}"
+        _backward_matches(arrays, device, host, "float16", f"seed {seed} offset {offset}")

@@ -31,7 +31,7 @@ KEY_TILES = tuple(range(64, 193, 16))  # keys a tile: P V's K runs in steps of 1
 REGISTERS = 216                        # O, S and P registers a consumer thread may hold (of 240; 196 measured spill-free)
 ALIGNMENTS = ("top_left", "bottom_right")
 MASKS = ("", "bias", "bool")  # attn_mask kinds: none, an additive bias of q's type, keep where true
-FEATURES = ("window", "softcap", "alibi", "sinks", "lens", "packed")  # the flags beyond causal, in uri order
+FEATURES = ("window", "softcap", "alibi", "sinks", "lens", "packed", "dropout")  # flags beyond causal, uri order
 UNBOUNDED = 1 << 29                                 # a window side that keeps every key
 _CTYPE = {"float16": "nvdnn::half", "bfloat16": "nvdnn::bfloat16"}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
@@ -78,12 +78,21 @@ class AttentionKernel(KernelSpec):
 FEATURE_POINTERS = (("lens", (("seq_lens_q", "lens_q", "int"), ("seq_lens_kv", "lens_kv", "int"))),
                     ("packed", (("cu_seqlens_q", "cu_q", "int"), ("cu_seqlens_kv", "cu_kv", "int"))),
                     ("alibi", (("alibi_slopes", "alibi_slopes", "float"),)),
-                    ("sinks", (("sinks", "sinks", "float"),)))
+                    ("sinks", (("sinks", "sinks", "float"),)),
+                    ("dropout", (("dropout_seed", "dropout_seed", "unsigned long long"),)))
 
 
 def feature_pointers(**flags) -> tuple:
     """The launch's pointer roles for the flags that are on, in kernel order."""
     return tuple(role for flag, roles in FEATURE_POINTERS if flags.get(flag) for role, _, _ in roles)
+
+
+def dropout_args(dropout_p: float) -> tuple:
+    """drop_threshold (round(p * 65536): 16 bits below it drop a score) and drop_scale (what a
+    kept one is multiplied by), nvdnn.reference.dropout's meanings."""
+    from ..reference.dropout import dropout_threshold
+    threshold, p = dropout_threshold(dropout_p)
+    return np.uint32(threshold), np.float32(0.0 if p >= 1 else 1.0 / (1.0 - p))
 
 
 def softcap_args(scale: float, softcap: float | None) -> tuple:
@@ -103,9 +112,11 @@ class AttentionSpec(AttentionKernel):
     """The forward kernel. Pointers: o, q, k, v, then stats (the rows' log-sum-exp) with ``lse``,
     seq_lens_q and seq_lens_kv (int32, one a batch) with ``lens``, cu_seqlens_q and cu_seqlens_kv
     (int32, one more than the sequences) with ``packed``, alibi_slopes and sinks
-    (float32, one a query head) with ``alibi`` and ``sinks``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
+    (float32, one a query head) with ``alibi`` and ``sinks``, dropout_seed ({seed, offset}, uint64)
+    with ``dropout``; tensor maps of q, k, v; then heads, groups, sq, sk, d, bottom_right,
     win_left, win_right (keys kept: [i' - left, i' + right]), bhs (B * Hq), m_tiles (query
-    tiles), scale_log2, with ``softcap`` cap_in (scale / cap) and cap_out (cap * log2(e)), and o's
+    tiles), scale_log2, with ``softcap`` cap_in (scale / cap) and cap_out (cap * log2(e)), with
+    ``dropout`` drop_threshold and drop_scale (dropout_args), and o's
     batch / head / row strides."""
     family = "attention"
     template = "attention/forward.cu.j2"
@@ -126,6 +137,7 @@ class AttentionSpec(AttentionKernel):
     sinks: bool = False      # a logit per query head joins each row's sum, with no value
     lens: bool = False       # per-batch query and key lengths (padded sequences)
     packed: bool = False     # variable-length sequences packed along S of a batch of 1 (cu_seqlens)
+    dropout: bool = False    # probabilities dropped by nvdnn.reference.dropout's Philox draw
     mask: str = ""           # attn_mask: "bias" (q's type, added to the scaled scores), "bool" (keep where true)
 
     def validate(self) -> None:
@@ -184,7 +196,8 @@ class AttentionSpec(AttentionKernel):
                 + [f"const __grid_constant__ nvdnn::TmaDesc tma_{r}" for r in "qkv"]
                 + ["int heads", "int groups", "int sq", "int sk", "int d", "int bottom_right", "int win_left",
                    "int win_right", "int bhs", "int m_tiles", "float scale_log2"]
-                + (["float cap_in", "float cap_out"] if self.softcap else []) + [
+                + (["float cap_in", "float cap_out"] if self.softcap else [])
+                + (["unsigned drop_threshold", "float drop_scale"] if self.dropout else []) + [
                    "long long o_sb", "long long o_sh", "long long o_ss"]
                 + ([f"long long mask_s{x}" for x in "bhij"] if self.mask else [])}
 
@@ -277,7 +290,8 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
               scale: float | None = None, lse: bool = False, o_strides: tuple | None = None,
               spec: AttentionSpec | None = None, window: tuple | None = None, softcap: float | None = None,
               alibi: bool = False, sinks: bool = False, lens: bool = False,
-              packed: tuple | None = None, mask: str = "", mask_strides: tuple = (0, 0, 0, 0)) -> Plan:
+              packed: tuple | None = None, mask: str = "", mask_strides: tuple = (0, 0, 0, 0),
+              dropout: float = 0.0) -> Plan:
     """One launch: o (q's dims, ``o_strides`` in elements, packed BHSD by default) and, with
     ``lse``, the (B, Hq, Sq) statistics. Operands (B, H, S, D) that ``unreadable`` passes.
     ``window``: (left, right) keys kept around i' (None or -1: unbounded); ``softcap``: a
@@ -285,7 +299,8 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     meanings). ``packed``: (sequences, the longest one's query rows) of variable-length sequences
     packed along S of operands with B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S)).
     ``mask``: an attn_mask of MASKS (pointer attn_mask; ``mask_strides``: its (B, Hq, Sq, Sk)
-    element strides, 0 where it broadcasts)."""
+    element strides, 0 where it broadcasts). ``dropout``: the probability of dropping a score
+    (pointer dropout_seed: {seed, offset} as uint64, nvdnn.reference.dropout's draw)."""
     groups = check(q, k, v)
     for role, op in (("query", q), ("key", k), ("value", v)):
         reason = unreadable(op, role)
@@ -298,21 +313,22 @@ def plan_sdpa(q: Operand, k: Operand, v: Operand, *, causal: bool = False, align
     left, right = window_sides(window, causal)
     spec = spec or tile_for(q.dtype, d, rows, causal=causal, lse=lse, window=window is not None,
                             softcap=softcap is not None, alibi=alibi, sinks=sinks, lens=lens,
-                            packed=packed is not None, mask=mask)
+                            packed=packed is not None, mask=mask, dropout=bool(dropout))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o_strides = o_strides or (hq * sq * d, sq * d, d, 1)
     m_tiles = -(-rows // spec.bm)
     args = (_map(1, q, spec.bm), _map(2, k, spec.bn), _map(3, v, spec.bn),
             *(np.int32(x) for x in (hq, groups, sq, sk, d, alignment == "bottom_right", left, right, b * hq, m_tiles)),
             np.float32(scale * math.log2(math.e)), *softcap_args(scale, softcap),
-            *(np.int64(x) for x in o_strides[:3]), *(np.int64(x) for x in (mask_strides if mask else ())))
+            *(dropout_args(dropout) if dropout else ()), *(np.int64(x) for x in o_strides[:3]),
+            *(np.int64(x) for x in (mask_strides if mask else ())))
     if b * hq * m_tiles >= 2 ** 31:
         raise UnsupportedError(f"query: {b * hq * m_tiles} tiles of {spec.bm} rows are past the kernel's 2^31",
                                arg="query")
     grid = (b * hq * m_tiles, 1, 1)  # a persistent spec's grid is trimmed to the blocks the device holds
     pointers = (("o", "q", "k", "v") + (("stats",) if lse else ())
-                + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi, sinks=sinks)
-                + (("attn_mask",) if mask else ()))
+                + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi, sinks=sinks,
+                                   dropout=bool(dropout)) + (("attn_mask",) if mask else ()))
     return Plan((Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, pointers, args),))
 
 

@@ -20,13 +20,13 @@ from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
 from ..spec import KernelSpec, one_of
 from . import Launch, Plan
-from .attention import (_CTYPE, _PTX, ALIGNMENTS, DTYPES, AttentionKernel, _map, arch_reason, check,
+from .attention import (_CTYPE, _PTX, ALIGNMENTS, DTYPES, AttentionKernel, _map, arch_reason, check, dropout_args,
                         feature_pointers, head_tile, packed_batch, softcap_args, unreadable, unsupported_reason,
                         window_sides)
 from .matmul.specs import SMEM_LIMIT
 from .pointwise import Operand
 
-FEATURES = ("window", "softcap", "alibi", "lens", "packed")  # the forward's (attention.FEATURES) but sinks
+FEATURES = ("window", "softcap", "alibi", "lens", "packed", "dropout")  # the forward's but sinks
 HEAD_TILES = (64, 128)  # dK and dV of 64 keys a warpgroup in registers: 2 * HD / 2 floats a thread
 BM = 64                 # query rows a step
 ROW_WARPS = 8           # rows a block of the row launches
@@ -36,9 +36,10 @@ ROW_WARPS = 8           # rows a block of the row launches
 class AttentionBackwardSpec(AttentionKernel):
     """The dK / dV / dQ-sum kernel. Pointers: dk, dv, q, k, v, do, the dQ sum, the row
     statistics (then lens_q / lens_kv with ``lens``, cu_q / cu_kv with ``packed``, the ALiBi
-    slopes with ``alibi``); tensor maps of q, k, v, do; then heads, kv_heads, groups, sq, sk, d,
-    bottom_right, win_left, win_right, n_tiles, m_tiles, sq_pad, scale_log2, scale (cap_in,
-    cap_out with ``softcap``), and dk's and dv's batch / head / row strides."""
+    slopes with ``alibi``, dropout_seed with ``dropout``); tensor maps of q, k, v, do; then heads,
+    kv_heads, groups, sq, sk, d, bottom_right, win_left, win_right, n_tiles, m_tiles, sq_pad,
+    scale_log2, scale (cap_in, cap_out with ``softcap``; drop_threshold, drop_scale with
+    ``dropout``), and dk's and dv's batch / head / row strides."""
     family = "attention_bwd"
     template = "attention/backward.cu.j2"
     tile_fields = ("stages", "dq_split", "defer_dq")
@@ -56,6 +57,7 @@ class AttentionBackwardSpec(AttentionKernel):
     alibi: bool = False     # derivative in dS
     lens: bool = False
     packed: bool = False
+    dropout: bool = False   # the forward's draw: dP and P^T dO of the kept scores only, scaled
 
     def validate(self) -> None:
         one_of(self.dtype, DTYPES, "dtype")
@@ -105,6 +107,7 @@ class AttentionBackwardSpec(AttentionKernel):
                 + ["int heads", "int kv_heads", "int groups", "int sq", "int sk", "int d", "int bottom_right",
                    "int win_left", "int win_right", "int n_tiles", "int m_tiles", "int sq_pad", "float scale_log2",
                    "float scale"] + (["float cap_in", "float cap_out"] if self.softcap else [])
+                + (["unsigned drop_threshold", "float drop_scale"] if self.dropout else [])
                 + [f"long long {t}_s{x}" for t in ("dk", "dv") for x in "bhs"]}
 
 
@@ -159,12 +162,13 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
                        alignment: str = "top_left", scale: float | None = None, strides: dict | None = None,
                        spec: AttentionBackwardSpec | None = None, window: tuple | None = None,
                        softcap: float | None = None, alibi: bool = False, lens: bool = False,
-                       packed: tuple | None = None) -> Plan:
+                       packed: tuple | None = None, dropout: float = 0.0) -> Plan:
     """The three launches. Operands (B, H, S, D); o and do have q's dims, any strides; lse is
     (B, Hq, Sq) float32 packed. ``strides``: element strides of "dq", "dk", "dv" (packed BHSD
     by default). ``window``, ``softcap``, ``alibi``, ``lens``: the forward's (attention.plan_sdpa);
     ``packed``: (sequences, longest query, longest key sequence) packed along S of operands with
-    B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S)).
+    B = 1 (pointers cu_seqlens_q / cu_seqlens_kv; lse (Hq, S)); ``dropout``: the forward's
+    probability (pointer dropout_seed, the forward's {seed, offset}).
     Pointer roles: q, k, v, o, do, stats (the lse), dq, dk, dv (seq_lens_q, seq_lens_kv,
     alibi_slopes with their options); scratch 0 the dQ sum, 1 the row statistics."""
     groups = check(q, k, v)
@@ -184,7 +188,7 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
     one_of(alignment, ALIGNMENTS, "alignment")
     b, rows_q, rows_k = packed_batch(q, k, packed) if packed is not None else (b, sq, sk)
     spec = spec or spec_for(q.dtype, d, causal=causal, window=window is not None, softcap=softcap is not None,
-                            alibi=alibi, lens=lens, packed=packed is not None)
+                            alibi=alibi, lens=lens, packed=packed is not None, dropout=bool(dropout))
     left, right = window_sides(window, causal)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     strides = strides or {}
@@ -205,11 +209,12 @@ def plan_sdpa_backward(q: Operand, k: Operand, v: Operand, o: Operand, do: Opera
                   common + tuple(np.int64(x) for x in o.strides[:3] + do.strides[:3]))
     main = Launch(spec, (b * hkv * n_tiles, 1, 1), (spec.threads, 1, 1), spec.smem_bytes,
                   ("dk", "dv", "q", "k", "v", "do", "scratch0", "scratch1")
-                  + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi),
+                  + feature_pointers(lens=lens, packed=packed is not None, alibi=alibi, dropout=bool(dropout)),
                   (_map(2, q, BM), _map(3, k, spec.bn), _map(4, v, spec.bn), _map(5, do, BM),
                    *(np.int32(x) for x in (hq, hkv, groups, sq, sk, d, alignment == "bottom_right", left, right,
                                           n_tiles, m_tiles, sq_pad)),
                    np.float32(scale * math.log2(math.e)), np.float32(scale), *softcap_args(scale, softcap),
+                   *(dropout_args(dropout) if dropout else ()),
                    *(np.int64(x) for x in dk_s[:3] + dv_s[:3])))
     finish = Launch(AttentionRowsSpec(q.dtype, spec.hd, "dq", packed is not None), row_grid, row_block, 0,
                     ("dq", "scratch0") + cu,

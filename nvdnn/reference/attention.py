@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dropout import attention_dropout_mask, dropout_threshold
 from .matmul import _sum_to
 from .pointwise import _f64
 
@@ -122,26 +123,39 @@ def _probabilities(s, allowed, lse):
         return np.where(allowed & ~np.isneginf(lse)[..., None], np.exp(s - lse[..., None]), 0.0)
 
 
-def _dropped(p, dropout_p, dropout_mask):
-    """p with the dropped entries zeroed and the kept ones scaled by 1 / (1 - dropout_p)."""
+def _dropped(p, dropout_p, dropout_mask, dropout_seed=None):
+    """p with the dropped entries zeroed and the kept ones scaled by 1 / (1 - dropout_p); the
+    mask given, or the kernels' draw from ``dropout_seed`` (an int, (seed, offset) or an array
+    of those two; dropout_p then rounds to 16 bits as theirs does)."""
     if not dropout_p:
         return p
+    if dropout_mask is None and dropout_seed is not None:
+        words = dropout_seed.tolist() if hasattr(dropout_seed, "tolist") else dropout_seed
+        seed, offset = (int(x) % 2 ** 64 for x in (words if isinstance(words, (tuple, list)) else (words, 0)))
+        heads, rows, keys = p.shape[-3:]
+        batch = int(np.prod(p.shape[:-3]))  # batch dims flattened, as the kernels' (B, H) order
+        dropout_mask = attention_dropout_mask((batch, heads, rows, keys), dropout_p, seed, offset)
+        dropout_mask, dropout_p = dropout_mask.reshape(p.shape), dropout_threshold(dropout_p)[1]
     if dropout_mask is None:
-        raise ValueError("dropout_mask: dropout_p > 0 needs the mask of kept entries the kernel's RNG drew")
+        raise ValueError("dropout_mask: dropout_p > 0 needs dropout_seed, or the mask of kept entries")
     return p * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p) if dropout_p < 1 else np.zeros_like(p)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, alignment="top_left", window=None, alibi_slopes=None,
                                  softcap=None, sinks=None, seq_lens_q=None, seq_lens_kv=None, cu_seqlens_q=None,
-                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, return_lse=False):
+                                 cu_seqlens_kv=None, max_seqlen_q=None, dropout_mask=None, dropout_seed=None,
+                                 return_lse=False):
     """o (..., Hq, Sq, Dv) as the module docstring says; with ``return_lse`` also lse (..., Hq,
     Sq), the statistics a training forward saves. ``window``: (left, right) keys around i'
-    (None or -1: unbounded); ``dropout_mask``: the kept entries (..., Hq, Sq, Sk), as the
-    kernel's RNG drew them. Key / value heads fewer than q's need ``enable_gqa``, as in PyTorch.
-    ``cu_seqlens_q`` / ``cu_seqlens_kv``: (T, H, D) tensors of packed sequences (``varlen``;
-    ``max_seqlen_q`` only bounds them, as the kernel's tiles do)."""
+    (None or -1: unbounded); ``dropout_mask``: the kept entries (..., Hq, Sq, Sk), or
+    ``dropout_seed`` (nvdnn.scaled_dot_product_attention's) for the kernels' draw. Key / value
+    heads fewer than q's need ``enable_gqa``, as in PyTorch. ``cu_seqlens_q`` / ``cu_seqlens_kv``:
+    (T, H, D) tensors of packed sequences (``varlen``; ``max_seqlen_q`` only bounds them, as the
+    kernel's tiles do)."""
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        if dropout_p and dropout_seed is not None:
+            raise ValueError("dropout_seed: the kernels draw no dropout for packed sequences; pass dropout_mask")
         options = {name: value for name, value in locals().items() if name not in (
             "query", "key", "value", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q")}
         return varlen(scaled_dot_product_attention, query, key, value, np.asarray(cu_seqlens_q),
@@ -150,7 +164,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, live, _ = _scores(q, k, groups, **_options(locals()))
     lse = _lse(s, allowed, live, sinks)
-    p = _dropped(_probabilities(s, allowed, lse), dropout_p, dropout_mask)
+    p = _dropped(_probabilities(s, allowed, lse), dropout_p, dropout_mask, dropout_seed)
     o = np.matmul(p, _expand(v, groups))
     return (o, lse) if return_lse else o
 
@@ -164,7 +178,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
                                           scale=None, enable_gqa=False, *, alignment="top_left", window=None,
                                           alibi_slopes=None, softcap=None, sinks=None, seq_lens_q=None,
                                           seq_lens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
-                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None):
+                                          max_seqlen_kv=None, dropout_p=0.0, dropout_mask=None, dropout_seed=None):
     """(dq, dk, dv, dmask, dsinks) from the forward's o and lse (p recomputed as exp(s - lse)):
     dv = p_dropped^T do, dp = do v^T (dropped as p was), ds = p * (dp - rowsum(do * o)), through
     tanh's derivative when soft-capping; dq = scale * ds k, dk = scale * ds^T q (key / value
@@ -183,8 +197,8 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     s, allowed, _, tanh = _scores(q, k, groups, **_options(locals()))
     p = _probabilities(s, allowed, lse)
     ke, ve = _expand(k, groups), _expand(v, groups)
-    dv = _sum_groups(np.matmul(np.swapaxes(_dropped(p, dropout_p, dropout_mask), -1, -2), do), groups)
-    dp = _dropped(np.matmul(do, np.swapaxes(ve, -1, -2)), dropout_p, dropout_mask)
+    dv = _sum_groups(np.matmul(np.swapaxes(_dropped(p, dropout_p, dropout_mask, dropout_seed), -1, -2), do), groups)
+    dp = _dropped(np.matmul(do, np.swapaxes(ve, -1, -2)), dropout_p, dropout_mask, dropout_seed)
     rows = (do * o).sum(axis=-1, keepdims=True)
     ds = p * (dp - rows)
     dmask = None
