@@ -173,6 +173,69 @@ def test_graph_sdpa_is_one_kernel_and_runs_the_numpy_reference():
     np.testing.assert_allclose(pack[stats.name], lse, atol=1e-12)
 
 
+def _graph_with_options(**attrs):
+    """A bf16 sdpa and its backward with every optional input (padding lengths, ALiBi slopes, the
+    dropout seed), B 2, Hq 4, Hkv 2, Sq 33, Sk 40, d 64."""
+    g = nvdnn.Graph(io_data_type="bfloat16", arch="sm_90", name="attn_options")
+    q, do = (g.tensor(dims=[2, 4, 33, 64], name=n) for n in ("q", "do"))
+    k, v = (g.tensor(dims=[2, 2, 40, 64], name=n) for n in ("k", "v"))
+    lens_q, lens_kv = (g.tensor(dims=[2], data_type="int32", name=n) for n in ("seq_len_q", "seq_len_kv"))
+    slopes = g.tensor(dims=[4], data_type="float32", name="alibi_slopes")
+    seed = g.tensor(dims=[2], data_type="int64", name="dropout_seed")
+    options = dict(seq_len_q=lens_q, seq_len_kv=lens_kv, alibi_slopes=slopes, dropout_seed=seed, **attrs)
+    o, stats = g.sdpa(q, k, v, **options)
+    grads = g.sdpa_backward(q, k, v, o, do, stats, **options)
+    for t in (o, stats) + grads:
+        t.set_output(True)
+    return g, (q, k, v, do, lens_q, lens_kv, slopes, seed), (o, stats) + grads
+
+
+def test_graph_sdpa_takes_the_functional_options(monkeypatch):
+    """Lengths, ALiBi, window, soft cap and dropout on sdpa and sdpa_backward: the kernels' pointers
+    bound to the graph's inputs, the numpy backend equal to the reference's."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+    attrs = dict(causal=True, window=(20, 0), softcap=30.0, dropout=0.25)
+    g, inputs, outputs = _graph_with_options(**attrs)
+    g.build()
+    uris = [spec.uri for spec in g.binaries]
+    assert any(u.startswith("attention/fwd/") and "/dropout" in u and "/lens" in u for u in uris), uris
+    assert any(u.startswith("attention/bwd/") and "/dropout" in u and "/alibi" in u for u in uris), uris
+    rng = np.random.default_rng(2)
+    values = [rng.standard_normal(t.dims).astype(ml_dtypes.bfloat16) for t in inputs[:4]]
+    values += [np.array([33, 5], np.int32), np.array([40, 17], np.int32), np.array([0.5, 0.25, 0.1, 0.0], np.float32),
+               np.array([2 ** 62 + 3, 9], np.int64)]
+    pack = {t.name: x for t, x in zip(inputs, values)}
+    pack.update((t.name, np.empty(t.dims)) for t in outputs)
+    g.execute(pack, backend="numpy")
+    exact = [x.astype(np.float64) for x in values[:4]]
+    options = dict(enable_gqa=True, is_causal=True, window=(20, 0), softcap=30.0, seq_lens_q=values[4],
+                   seq_lens_kv=values[5], alibi_slopes=values[6], dropout_p=0.25, dropout_seed=(2 ** 62 + 3, 9))
+    o, lse = nvdnn.reference.scaled_dot_product_attention(*exact[:3], return_lse=True, **options)
+    np.testing.assert_allclose(pack[outputs[0].name], o, atol=1e-12)
+    grads = nvdnn.reference.scaled_dot_product_attention_backward(exact[3], *exact[:3], pack[outputs[0].name],
+                                                                  pack[outputs[1].name], **options)
+    for t, want in zip(outputs[2:], grads):
+        np.testing.assert_allclose(pack[t.name], want, atol=1e-12)
+
+
+@pytest.mark.parametrize("attrs,missing,match", [
+    (dict(dropout=0.1), "dropout_seed", "dropout_seed"),
+    (dict(), "seq_len_kv", "both seq_len_q"),
+    (dict(dropout=1.5), None, "probability"),
+    (dict(window=(3,)), None, "window"),
+])
+def test_graph_sdpa_names_bad_options(attrs, missing, match):
+    g = nvdnn.Graph(io_data_type="float16", arch="sm_90")
+    q = g.tensor(dims=[2, 4, 8, 64], name="q")
+    given = dict(seq_len_q=g.tensor(dims=[2], data_type="int32", name="seq_len_q"),
+                 seq_len_kv=g.tensor(dims=[2], data_type="int32", name="seq_len_kv"))
+    if attrs.get("dropout", 0) > 1:
+        given["dropout_seed"] = g.tensor(dims=[2], data_type="int64", name="dropout_seed")
+    given.pop(missing, None)
+    with pytest.raises(ValidationError, match=match):
+        g.sdpa(q, q, q, **given, **attrs)
+
+
 def test_graph_sdpa_names_bad_heads():
     g = nvdnn.Graph(io_data_type="float16", arch="sm_90")
     q, k = g.tensor(dims=[1, 6, 8, 64], name="q"), g.tensor(dims=[1, 4, 8, 64], name="k")

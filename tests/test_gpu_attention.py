@@ -166,6 +166,34 @@ def test_graph_sdpa_executes_like_the_function():
     assert cupy.array_equal(pack[o.name], want) and cupy.array_equal(pack[stats.name], lse)
 
 
+def test_graph_sdpa_options_execute_like_the_functions(monkeypatch):
+    """sdpa and sdpa_backward with lengths, ALiBi, window, soft cap and dropout: the graph's
+    outputs equal the functional calls' on the same inputs."""
+    import cupy
+
+    import nvdnn
+    from .test_attention import _graph_with_options
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+    g, inputs, outputs = _graph_with_options(causal=True, window=(20, 0), softcap=30.0, dropout=0.25)
+    g.build()
+    rng = np.random.default_rng(8)
+    values = [_array(tuple(t.dims), "bfloat16", "BHSD", rng)[0] for t in inputs[:4]]
+    values += [cupy.asarray(np.array(x, dtype)) for x, dtype in (([33, 5], np.int32), ([40, 17], np.int32),
+                                                                ([0.5, 0.25, 0.1, 0.0], np.float32),
+                                                                ([2 ** 62 + 3, 9], np.int64))]
+    pack = {t.name: x for t, x in zip(inputs, values)}
+    pack.update((t.name, cupy.full(t.dims, np.nan, np.float32 if t is outputs[1] else values[0].dtype))
+                for t in outputs)
+    g.execute(pack)
+    q, k, v, do, lens_q, lens_kv, slopes, seed = values
+    options = dict(enable_gqa=True, is_causal=True, window=(20, 0), softcap=30.0, seq_lens_q=lens_q,
+                   seq_lens_kv=lens_kv, alibi_slopes=slopes, dropout_p=0.25, dropout_seed=seed)
+    o, lse = nvdnn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
+    grads = nvdnn.scaled_dot_product_attention_backward(do, q, k, v, o, lse, **options)
+    for t, want in zip(outputs, (o, lse) + tuple(grads)):
+        assert cupy.array_equal(pack[t.name], want), t.name
+
+
 FEATURES = {  # name: (scaled_dot_product_attention keywords, with seq_lens as host lists)
     "window": dict(window=(37, 5)),
     "window_causal_bottom_right": dict(window=(100, None), is_causal=True, alignment="bottom_right"),

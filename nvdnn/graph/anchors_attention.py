@@ -3,18 +3,30 @@ scaled-dot-product attention node, o = softmax(attn_scale * q k^T [causal]) v an
 log-sum-exp ``stats``, planned by kernels/attention.py; sdpa_backward, (dq, dk, dv) from q, k,
 v, o, do and those stats, planned by kernels/attention_backward.py; sdpa_decode, o of a few new
 query rows against a paged key / value cache (kernels/attention_decode.py). Grouped-query
-attention follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph."""
+attention follows from the dims (k's and v's heads dividing q's), as in cuDNN's graph. sdpa and
+sdpa_backward take the functional call's options: optional inputs seq_len_q / seq_len_kv (int32,
+one a batch: cuDNN's padding mask), alibi_slopes (float32, one a query head) and dropout_seed
+(int64 {seed, offset}), attributes window, softcap and dropout."""
 from __future__ import annotations
 
 from .. import reference as ref
 from ..errors import DTypeError, UnsupportedError
+from ..functional_checks import unmeasured
 from ..kernels import attention, attention_backward, attention_decode
 from . import rules
 from .anchors import AnchorOp, Meta, _need, register
 from .tensor import contiguous_strides
 
 _ATTRS = (("attn_scale", None, rules.optional(rules.real())), ("causal", False, rules.FLAG),
-          ("alignment", "top_left", rules.one_of(*attention.ALIGNMENTS)))
+          ("alignment", "top_left", rules.one_of(*attention.ALIGNMENTS)),
+          ("window", None, rules.optional(rules.ints(2, -1))),          # (left, right) keys kept, -1 unbounded
+          ("softcap", None, rules.optional(rules.real(0.0, above=True))),
+          ("dropout", 0.0, rules.real(0.0)))
+# the optional inputs: (role, data type, dims as a function of q's (B, Hq, S, D)), and the kernels'
+# pointer role of each (cuDNN's names for the lengths)
+_OPTIONS = (("seq_len_q", "int32", lambda q: (q[0],)), ("seq_len_kv", "int32", lambda q: (q[0],)),
+            ("alibi_slopes", "float32", lambda q: (q[1],)), ("dropout_seed", "int64", lambda q: (2,)))
+_POINTERS = {"seq_lens_q": "seq_len_q", "seq_lens_kv": "seq_len_kv"}
 
 
 def _check(a, m):
@@ -31,6 +43,41 @@ def _check(a, m):
     _need(k.dims[2] == v.dims[2], "v", f"has {v.dims[2]} keys; k has {k.dims[2]}")
     _need(k.dims[3] == q.dims[3] == v.dims[3], "v", f"head dims q {q.dims[3]}, k {k.dims[3]}, v {v.dims[3]}: one "
           "head dim for all three")
+    for role, data_type, dims in _OPTIONS:
+        if role in m:
+            _need(tuple(m[role].dims) == dims(q.dims), role, f"has dims {list(m[role].dims)}; needs "
+                  f"{list(dims(q.dims))}")
+            if m[role].data_type not in (None, data_type):
+                raise DTypeError(f"'{role}' is {m[role].data_type}; needs {data_type}", arg=role)
+    _need(("seq_len_q" in m) == ("seq_len_kv" in m), "seq_len_kv", "the padding mask takes both seq_len_q and "
+          "seq_len_kv")
+    _need(a["dropout"] <= 1, "dropout", f"is {a['dropout']}; a probability in [0, 1]")
+    _need(("dropout_seed" in m) == (a["dropout"] > 0), "dropout_seed", "is the {seed, offset} of dropout > 0, and "
+          "only of it")
+
+
+def _options(a, o) -> dict:
+    """plan_sdpa's / plan_sdpa_backward's keywords for the node's options."""
+    return dict(window=a["window"] and tuple(a["window"]), softcap=a["softcap"], alibi="alibi_slopes" in o,
+                lens="seq_len_q" in o, dropout=a["dropout"])
+
+
+def _graph_roles(plan, a, where: str):
+    """The plan with the graph's names for the lengths; options not yet run on a GPU refused
+    (as the functional calls refuse them) unless NVDNN_UNMEASURED=1."""
+    if a["dropout"]:
+        unmeasured(where, "dropout kernel", "dropout")
+    launches = tuple(launch._replace(pointers=tuple(_POINTERS.get(r, r) for r in launch.pointers))
+                     for launch in plan.launches)
+    return plan._replace(launches=launches)
+
+
+def _reference_options(a, v) -> dict:
+    """The reference's keywords for the node's options (lengths and seed back to ints)."""
+    lens = {name: v[role].astype(int) for name, role in (("seq_lens_q", "seq_len_q"), ("seq_lens_kv", "seq_len_kv"))
+            if role in v}
+    return dict(window=a["window"], softcap=a["softcap"], alibi_slopes=v.get("alibi_slopes"),
+                dropout_p=a["dropout"], dropout_seed=v.get("dropout_seed"), **lens)
 
 
 def _infer(a, m):
@@ -44,19 +91,22 @@ def _plan(a, o, e):
     q = o["q"]
     if e.out_dtype not in (None, q.dtype):
         raise UnsupportedError(f"sdpa: o is {e.out_dtype}; the kernel writes q's {q.dtype}", arg="o")
-    return attention.plan_sdpa(q, o["k"], o["v"], causal=a["causal"], alignment=a["alignment"],
+    plan = attention.plan_sdpa(q, o["k"], o["v"], causal=a["causal"], alignment=a["alignment"],
                                scale=a["attn_scale"], lse=True, o_strides=attention.output_strides(q.shape, q.strides),
-                               spec=e.tile)
+                               spec=e.tile, **_options(a, o))
+    return _graph_roles(plan, a, "sdpa")
 
 
 def _reference(a, v):
     groups = v["q"].shape[1] != v["k"].shape[1]
     return ref.scaled_dot_product_attention(v["q"], v["k"], v["v"], is_causal=a["causal"], scale=a["attn_scale"],
-                                            enable_gqa=groups, alignment=a["alignment"], return_lse=True)
+                                            enable_gqa=groups, alignment=a["alignment"], return_lse=True,
+                                            **_reference_options(a, v))
 
 
-register(AnchorOp("sdpa", "attention", ("q", "k", "v"), ("o", "stats"), _ATTRS, _infer, _plan, _reference,
-                  epilogue=False, check=_check))
+_OPTIONAL = tuple(role + "?" for role, _, _ in _OPTIONS)
+register(AnchorOp("sdpa", "attention", ("q", "k", "v") + _OPTIONAL, ("o", "stats"), _ATTRS, _infer, _plan,
+                  _reference, epilogue=False, data_types=("int32", "int64"), check=_check))
 
 
 def _check_backward(a, m):
@@ -71,22 +121,27 @@ def _check_backward(a, m):
 
 def _plan_backward(a, o, e):
     q = o["q"]
-    return attention_backward.plan_sdpa_backward(
+    if a["window"] or a["softcap"] or "alibi_slopes" in o or "seq_len_q" in o:
+        unmeasured("sdpa_backward", "window, softcap, ALiBi and lengths kernels", "window")
+    plan = attention_backward.plan_sdpa_backward(
         q, o["k"], o["v"], o["o"], o["do"], causal=a["causal"], alignment=a["alignment"], scale=a["attn_scale"],
         strides={role: attention.output_strides(o[like].shape, o[like].strides)
-                 for role, like in (("dq", "q"), ("dk", "k"), ("dv", "v"))})
+                 for role, like in (("dq", "q"), ("dk", "k"), ("dv", "v"))}, **_options(a, o))
+    return _graph_roles(plan, a, "sdpa_backward")
 
 
 def _reference_backward(a, v):
     return ref.scaled_dot_product_attention_backward(
         v["do"], v["q"], v["k"], v["v"], v["o"], v["stats"], is_causal=a["causal"], scale=a["attn_scale"],
-        enable_gqa=v["q"].shape[1] != v["k"].shape[1], alignment=a["alignment"])[:3]
+        enable_gqa=v["q"].shape[1] != v["k"].shape[1], alignment=a["alignment"], **_reference_options(a, v))[:3]
 
 
-register(AnchorOp("sdpa_backward", "attention", ("q", "k", "v", "o", "do", "stats"), ("dq", "dk", "dv"), _ATTRS,
+register(AnchorOp("sdpa_backward", "attention", ("q", "k", "v", "o", "do", "stats") + _OPTIONAL, ("dq", "dk", "dv"),
+                  _ATTRS,
                   lambda a, m: [Meta(m[r].dims, attention.output_strides(m[r].dims, m[r].strides), m["q"].data_type)
                                 for r in ("q", "k", "v")],
-                  _plan_backward, _reference_backward, epilogue=False, tiles=False, check=_check_backward))
+                  _plan_backward, _reference_backward, epilogue=False, tiles=False, data_types=("int32", "int64"),
+                  check=_check_backward))
 
 
 # -- sdpa_decode: a few new rows a sequence against a paged KV cache (kernels/attention_decode.py) --

@@ -457,7 +457,10 @@ def _holds(array, data_type: str) -> bool:
 
 
 def _float64(value, data_type: str) -> np.ndarray:
-    """A NumPy array's values in float64; uint8 arrays of fp8 tensors are decoded (ml_dtypes)."""
+    """A NumPy array's values in float64; uint8 arrays of fp8 tensors are decoded (ml_dtypes);
+    integer tensors (lengths, block tables, seeds) keep their exact values."""
+    if not dtypes.BY_NAME[data_type].is_float:
+        return np.asarray(value)
     if _fp8_bytes(value, data_type):
         value = value.view(dtypes.BY_NAME[data_type].host)
     return np.asarray(value, dtype=np.float64)
