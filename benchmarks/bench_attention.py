@@ -122,8 +122,6 @@ def main():
     parser.add_argument("--defer-dq", action="store_true",
                         help="backward: dQ's sums go out beside the next step's products (an experiment)")
     args, torch, device, _ = start(parser)
-    if args.dropout:
-        os.environ["NVDNN_UNMEASURED"] = "1"  # dropout waits for its first measured run
     if torch is None:
         raise SystemExit("bench_attention compares against PyTorch's SDPA: install torch with CUDA")
     import nvdnn

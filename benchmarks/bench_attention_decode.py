@@ -93,7 +93,6 @@ def main():
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_attention_decode compares against PyTorch's SDPA: install torch with CUDA")
-    os.environ.setdefault("NVDNN_UNMEASURED", "1")  # this benchmark is part of the kernel's first measurement
     import nvdnn
     copy_tbs = measure_copy_tbs(1 << 30)
     print(f"copy ceiling {copy_tbs:.2f} TB/s", flush=True)

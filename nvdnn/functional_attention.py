@@ -117,14 +117,6 @@ def dropout_input(cp, dropout_p, dropout_seed) -> tuple[dict, dict]:
     return {"dropout_seed": words}, {"dropout": float(dropout_p)}
 
 
-def gate_unmeasured(where: str, **given) -> None:
-    """The options whose kernels have not yet run on a GPU (checks.unmeasured), refused unless
-    NVDNN_UNMEASURED=1: read from the environment each call, so outside the remembered checks."""
-    for name, value in given.items():
-        if value is not None:
-            checks.unmeasured(where, f"{name} kernel", name)
-
-
 def _check_mask(attn_mask, q, k, packed: bool) -> None:
     """attn_mask: boolean (keep where true) or query's type (added to the scaled scores), its
     shape broadcasting to the scores' (..., Hq, Sq, Sk)."""
@@ -288,8 +280,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alignment, out,
                     (dropout_mask,), window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv, packed,
                     dropout_seed)
-    gate_unmeasured("scaled_dot_product_attention", attn_mask=attn_mask, cu_seqlens_q=packed,
-                    dropout_p=dropout_p or None)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value})

@@ -10,7 +10,7 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, check_attention, dropout_input, feature_inputs, gate_unmeasured
+from .functional_attention import _batched, check_attention, dropout_input, feature_inputs
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -89,9 +89,6 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     check_backward(grad_out, query, key, value, output, lse, attn_mask, is_causal, scale, enable_gqa, alignment,
                    (grad_query, grad_key, grad_value), window, softcap, alibi_slopes, seq_lens_q, seq_lens_kv,
                    packed, (sinks, dropout_p, dropout_mask), dropout_seed)
-    gate_unmeasured("scaled_dot_product_attention_backward", window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, cu_seqlens_q=packed,
-                    dropout_p=dropout_p or None)
     device = checks.device()
     cp = arrays.cupy()
     xs, back = arrays.all_to_device({"q": query, "k": key, "v": value, "o": output, "do": grad_out})

@@ -132,7 +132,6 @@ def _bf16(shape):
     (dict(out=(2, 8, 33, 32)), ValidationError, "out"),
 ])
 def test_bad_arguments_raise_before_device_work(kwargs, error, match, monkeypatch):
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")  # the attn_mask rules behind the gate
     shapes = {"q": (2, 8, 33, 64), "k": (2, 8, 40, 64), "v": None, "out": None}
     shapes.update({r: kwargs.pop(r) for r in list(kwargs) if r in shapes})
     shapes["v"] = shapes["v"] or shapes["k"]
@@ -271,13 +270,3 @@ def test_feature_kernels_keep_everything_in_registers(hd, features):
     spec = attention.tile_for("bfloat16", hd, 4096, lse=True, **features)
     result = compiler.compile_cubin(codegen.render(spec), name="attention.cu", options=compiler.options_for("sm_90a"))
     assert result.spill_bytes == 0 and result.stack_bytes == 0, spec.uri
-
-
-@pytest.mark.parametrize("kwargs", [dict(attn_mask=np.ones((33, 40), bool)),
-                                    dict(cu_seqlens_q=np.array([0, 33]), cu_seqlens_kv=np.array([0, 40]))])
-def test_options_not_yet_measured_on_a_gpu_need_the_setting(kwargs, monkeypatch):
-    monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
-    q, k = (_bf16(shape) for shape in ((33, 8, 64), (40, 8, 64))) if "cu_seqlens_q" in kwargs else \
-        (_bf16((2, 8, 33, 64)), _bf16((2, 8, 40, 64)))
-    with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED=1"):
-        nvdnn.scaled_dot_product_attention(q, k, k, **kwargs)

@@ -129,13 +129,3 @@ def test_graph_sdpa_backward_names_bad_stats():
     q = g.tensor(dims=[1, 2, 8, 64], name="q")
     with pytest.raises(ValidationError, match="'stats' has dims"):
         g.sdpa_backward(q, q, q, q, q, g.tensor(dims=[1, 2, 9], data_type="float32", name="stats"))
-
-
-@pytest.mark.parametrize("option", [dict(window=(8, 0)), dict(softcap=5.0), dict(alibi_slopes=np.ones(4, np.float32)),
-                                    dict(seq_lens_kv=np.array([8], np.int32))])
-def test_options_not_yet_measured_on_a_gpu_need_the_setting(option, monkeypatch):
-    monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
-    q, k = _bf16((1, 4, 8, 64)), _bf16((1, 1, 8, 64))
-    with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED=1"):
-        nvdnn.scaled_dot_product_attention_backward(q, q, k, k, q, np.zeros((1, 4, 8), np.float32), enable_gqa=True,
-                                                    **option)

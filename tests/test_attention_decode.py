@@ -165,20 +165,6 @@ def _np(shape, dtype=ml_dtypes.bfloat16):
     return np.zeros(shape, dtype)
 
 
-@pytest.fixture
-def measuring(monkeypatch):
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
-
-def test_unmeasured_kernel_is_refused_by_default(monkeypatch):
-    """After the argument checks and the device's: what the GPU would run is the part not measured."""
-    from nvdnn import functional_checks
-    monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
-    monkeypatch.setattr(functional_checks, "device", lambda: 0)
-    with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED"):
-        nvdnn.decode_attention(_np((1, 2, 1, 64)), _np((1, 2, 9, 64)), _np((1, 2, 9, 64)))
-
-
 @pytest.mark.parametrize("args,kwargs,error,match", [
     (((1, 2, 64), (1, 2, 9, 64), (1, 2, 9, 64)), {}, ValidationError, "query: shape"),
     (((1, 2, 1, 64), (1, 2, 9, 64), (1, 2, 8, 64)), {}, ValidationError, "value_cache: shape"),
@@ -199,12 +185,12 @@ def test_unmeasured_kernel_is_refused_by_default(monkeypatch):
     (((1, 2, 1, 64), (1, 2, 9, 64), (1, 2, 9, 64)), {"is_causal": 1}, ValidationError, "is_causal"),
     (((1, 2, 1, 64), (1, 2, 9, 64), (1, 2, 9, 64)), {"out": _np((1, 2, 2, 64))}, ValidationError, "out: shape"),
 ])
-def test_argument_errors_come_before_device_work(measuring, args, kwargs, error, match):
+def test_argument_errors_come_before_device_work(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         nvdnn.decode_attention(*(_np(s) for s in args), **kwargs)
 
 
-def test_types_must_match_and_be_16_bit(measuring):
+def test_types_must_match_and_be_16_bit():
     with pytest.raises(DTypeError, match="float16 or bfloat16|takes one of"):
         nvdnn.decode_attention(_np((1, 2, 1, 64), np.float32), _np((1, 2, 9, 64), np.float32),
                                _np((1, 2, 9, 64), np.float32))

@@ -138,11 +138,8 @@ def test_plans_take_the_seed_pointer_and_the_threshold():
     assert (int(main.args[18]), float(main.args[19])) == (65536, 0.0)
 
 
-def test_dropout_waits_for_its_first_gpu_measurement(monkeypatch):
-    monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
+def test_packed_sequences_take_no_dropout_yet():
     q = np.zeros((1, 2, 8, 64), np.float16)
-    with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED=1"):
-        nvdnn.scaled_dot_product_attention(q, q, q, dropout_p=0.1, dropout_seed=1)
     with pytest.raises(UnsupportedError, match="packed sequences take no dropout"):
         nvdnn.scaled_dot_product_attention(q[0].transpose(1, 0, 2), q[0].transpose(1, 0, 2), q[0].transpose(1, 0, 2),
                                            cu_seqlens_q=np.array([0, 8], np.int32),

@@ -62,6 +62,8 @@ GOOD = {
     "scaled_dot_product_attention": ((Q16, Q16, Q16), {}),
     "scaled_dot_product_attention_backward": ((Q16, Q16, Q16, Q16, Q16, f32(1, 4, 8)), {}),
     "decode_attention": ((Q16[:, :, :1], Q16, Q16), {}),
+    "lstm": ((f32(3, 2, 5), None, [f32(28, 5), f32(28, 7), f32(28), f32(28)]), {}),
+    "gru": ((f32(3, 2, 5), None, [f32(21, 5), f32(21, 7), f32(21), f32(21)]), {}),
     "max_pool2d": ((X, 2), {}),
     "avg_pool2d": ((X, 2), {}),
     "global_avg_pool2d": ((X,), {}),
@@ -138,8 +140,7 @@ SPECIFIC = {
                          ["groups > 1"]),
                         (("kwargs", {"out_dw": f32(3, 4, 3, 2)}), ValidationError, ["out_dw", "(3, 4, 3, 3)"])],
     "scaled_dot_product_attention": [(("args", (Q16, Q16[:, :2], Q16[:, :2])), ValidationError, ["enable_gqa"]),
-                                     (("kwargs", {"attn_mask": np.ones((8, 8), bool)}), UnsupportedError,
-                                      ["attn_mask", "NVDNN_UNMEASURED"]),
+                                     (("kwargs", {"attn_mask": f32(8, 8)}), DTypeError, ["attn_mask", "bool"]),
                                      (("kwargs", {"alignment": "middle"}), ValidationError, ["alignment"])],
     "scaled_dot_product_attention_backward": [
         (("args", (Q16, Q16, Q16, Q16, Q16, f32(1, 4, 9))), ValidationError, ["lse: shape", "(1, 4, 8)"]),
@@ -157,7 +158,7 @@ SPECIFIC = {
 
 
 # entry points whose whole kernel waits for its first GPU measurement (NVDNN_UNMEASURED)
-UNMEASURED = ("decode_attention",)
+UNMEASURED = ("lstm", "gru")
 
 
 def _good(name):

@@ -14,11 +14,6 @@ from .gpu import laid_out, poison_next_allocation, requires_gpu
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True)
-def _measuring(monkeypatch):
-    """These tests are the measurement the options behind NVDNN_UNMEASURED wait for."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
 # (B, Hq, Hkv, Sq, Sk, D)
 SHAPES = {
     "one": (1, 2, 2, 1, 1, 64),
@@ -166,14 +161,13 @@ def test_graph_sdpa_executes_like_the_function():
     assert cupy.array_equal(pack[o.name], want) and cupy.array_equal(pack[stats.name], lse)
 
 
-def test_graph_sdpa_options_execute_like_the_functions(monkeypatch):
+def test_graph_sdpa_options_execute_like_the_functions():
     """sdpa and sdpa_backward with lengths, ALiBi, window, soft cap and dropout: the graph's
     outputs equal the functional calls' on the same inputs."""
     import cupy
 
     import nvdnn
     from .test_attention import _graph_with_options
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
     g, inputs, outputs = _graph_with_options(causal=True, window=(20, 0), softcap=30.0, dropout=0.25)
     g.build()
     rng = np.random.default_rng(8)
@@ -184,7 +178,7 @@ def test_graph_sdpa_options_execute_like_the_functions(monkeypatch):
     pack = {t.name: x for t, x in zip(inputs, values)}
     pack.update((t.name, cupy.full(t.dims, np.nan, np.float32 if t is outputs[1] else values[0].dtype))
                 for t in outputs)
-    g.execute(pack)
+    g.execute(pack, cupy.empty(g.get_workspace_size(), cupy.uint8))
     q, k, v, do, lens_q, lens_kv, slopes, seed = values
     options = dict(enable_gqa=True, is_causal=True, window=(20, 0), softcap=30.0, seq_lens_q=lens_q,
                    seq_lens_kv=lens_kv, alibi_slopes=slopes, dropout_p=0.25, dropout_seed=seed)

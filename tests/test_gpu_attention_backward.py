@@ -16,11 +16,6 @@ from .test_gpu_attention import _array, cases, feature_case, packed_case
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True)
-def _measuring(monkeypatch):
-    """These tests are the measurement the options behind NVDNN_UNMEASURED wait for."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
 SHAPES = {name: shape for name, shape in FORWARD_SHAPES.items() if shape[-1] <= 128 and name != "4097"}
 # |error| bound relative to the largest reference gradient: P and dS round to 16 bits before
 # their products, the gradients to 16 bits at the end

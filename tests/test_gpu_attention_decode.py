@@ -13,12 +13,6 @@ from .gpu import host_dtype, poison_next_allocation, requires_gpu
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True)
-def _measuring(monkeypatch):
-    """These tests are the measurement the kernel behind NVDNN_UNMEASURED waits for."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
-
 LENS = [1, 7, 129, 1000, 4097, 0]
 # (Hq, Hkv, Sq, D, block_size or None (contiguous), causal, dtype)
 CASES = [

@@ -234,7 +234,6 @@ def test_transformer_warms_and_its_program_finds_every_kernel(cache_dir, offline
 
 
 def test_decode_warms_and_its_program_finds_every_kernel(cache_dir, offline_program, monkeypatch):
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
     given = {"hidden": "1024", "heads": "16", "kv_heads": "4", "ffn": "2816", "context": "2000", "batch": "1,64"}
     plan = _warmed("decode", given, cache_dir)
     assert plan.skipped == {} and plan.variants == 2

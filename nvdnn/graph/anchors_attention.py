@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .. import reference as ref
 from ..errors import DTypeError, UnsupportedError
-from ..functional_checks import unmeasured
 from ..kernels import attention, attention_backward, attention_decode
 from . import rules
 from .anchors import AnchorOp, Meta, _need, register
@@ -62,11 +61,8 @@ def _options(a, o) -> dict:
                 lens="seq_len_q" in o, dropout=a["dropout"])
 
 
-def _graph_roles(plan, a, where: str):
-    """The plan with the graph's names for the lengths; options not yet run on a GPU refused
-    (as the functional calls refuse them) unless NVDNN_UNMEASURED=1."""
-    if a["dropout"]:
-        unmeasured(where, "dropout kernel", "dropout")
+def _graph_roles(plan):
+    """The plan with the graph's names for the lengths."""
     launches = tuple(launch._replace(pointers=tuple(_POINTERS.get(r, r) for r in launch.pointers))
                      for launch in plan.launches)
     return plan._replace(launches=launches)
@@ -94,7 +90,7 @@ def _plan(a, o, e):
     plan = attention.plan_sdpa(q, o["k"], o["v"], causal=a["causal"], alignment=a["alignment"],
                                scale=a["attn_scale"], lse=True, o_strides=attention.output_strides(q.shape, q.strides),
                                spec=e.tile, **_options(a, o))
-    return _graph_roles(plan, a, "sdpa")
+    return _graph_roles(plan)
 
 
 def _reference(a, v):
@@ -121,13 +117,11 @@ def _check_backward(a, m):
 
 def _plan_backward(a, o, e):
     q = o["q"]
-    if a["window"] or a["softcap"] or "alibi_slopes" in o or "seq_len_q" in o:
-        unmeasured("sdpa_backward", "window, softcap, ALiBi and lengths kernels", "window")
     plan = attention_backward.plan_sdpa_backward(
         q, o["k"], o["v"], o["o"], o["do"], causal=a["causal"], alignment=a["alignment"], scale=a["attn_scale"],
         strides={role: attention.output_strides(o[like].shape, o[like].strides)
                  for role, like in (("dq", "q"), ("dk", "k"), ("dv", "v"))}, **_options(a, o))
-    return _graph_roles(plan, a, "sdpa_backward")
+    return _graph_roles(plan)
 
 
 def _reference_backward(a, v):

@@ -36,7 +36,7 @@ class Plan(NamedTuple):
     scratch: tuple = ()
 
 
-FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv", "attention", "attention_decode")
+FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv", "attention", "attention_decode", "rnn")
 
 
 def family(name: str):

@@ -19,3 +19,4 @@ from .pool import (avg_pool2d, avg_pool2d_backward, global_avg_pool2d, max_pool2
                    max_pool2d_with_indices)
 from .reduce import (amax, batch_norm, batch_norm_backward, batch_norm_training, group_norm, instance_norm, max,
                      mean, min, norm1, norm2, prod, sum)
+from .rnn import gru, gru_backward, gru_cell, lstm, lstm_backward, lstm_cell

@@ -1,0 +1,192 @@
+"""nvdnn.lstm, nvdnn.gru and their one-step cells on the GPU, the per-step path of issue 18: a
+layer's input projection of every time step as one GEMM (float32 sums, b_ih added), then per
+step the recurrent GEMM (h W_hh^T + b_hh, float32) and the cell kernel (kernels/rnn.py), which
+applies the gates and updates the state in place; with ``proj_size`` a third GEMM projects h.
+PyTorch's parameter layout (rnn_params) and meanings; nvdnn.reference has the float64 ones.
+
+A call's launches (the GEMMs are nested public calls) are recorded as one: a repeat replays
+them all, no Python per step. Intermediates live in scratch the recording knows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays, callsite, dtypes, launcher
+from . import functional_checks as checks
+from .errors import DTypeError, UnsupportedError, ValidationError
+from .functional_attention import device_vector
+from .functional_matmul import matmul
+from .kernels import rnn as family
+from .rnn_params import KEYS, parse_params
+
+_NULL = np.uint64(0)
+
+
+def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias, lengths, dropout):
+    """The layout, the per-(layer, direction) weights and (T, B); every rule before any device
+    work, the same on every machine."""
+    x = checks.describe(input, "input")
+    if len(x.shape) not in (2, 3):
+        raise ValidationError(f"input: shape {x.shape}; needs (T, B, input_size), (B, T, input_size) with "
+                              "batch_first, or (T, input_size) unbatched", arg="input")
+    layout, weights = parse_params(mode, params, input_size=x.shape[-1], num_layers=num_layers,
+                                   bidirectional=bidirectional, bias=bias)
+    kind = checks.describe(weights[0][0]["w_ih"], "weight_ih_l0").dtype
+    if x.dtype not in family.DTYPES or x.dtype != kind:
+        raise DTypeError(f"input: data type {x.dtype}; needs the weights' {kind}, one of {', '.join(family.DTYPES)}",
+                         arg="input")
+    steps, batch = (x.shape[0], 1) if len(x.shape) == 2 else (x.shape[1], x.shape[0]) if batch_first \
+        else x.shape[:2]
+    states = layout.num_layers * layout.directions
+    unbatched = len(x.shape) == 2
+    wants = {"h0": (states, batch, layout.out_size), "c0": (states, batch, layout.hidden_size)}
+    given = dict(zip(("h0", "c0"), hx)) if mode == "lstm" and hx is not None else {"h0": hx}
+    if mode == "lstm" and hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+        raise ValidationError("hx: an LSTM's initial state is a pair (h0, c0), or None for zeros", arg="hx")
+    for role, value in given.items():
+        if value is None:
+            continue
+        meta = checks.describe(value, role)
+        want = wants[role][:1] + wants[role][2:] if unbatched else wants[role]
+        if meta.shape != want:
+            raise ValidationError(f"{role}: shape {meta.shape}; needs {want} (layers * directions, batch, "
+                                  f"{'proj_size or hidden' if role == 'h0' else 'hidden'})", arg=role)
+        if meta.dtype != kind:
+            raise DTypeError(f"{role}: data type {meta.dtype}; needs the input's {kind}", arg=role)
+    if lengths is not None:
+        _check_lengths(lengths, batch, steps)
+        if layout.proj_size:
+            raise UnsupportedError("lengths: with proj_size the GPU path takes no lengths yet; "
+                                   "nvdnn.reference computes it", arg="lengths")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValidationError(f"dropout: {dropout!r}; a probability in [0, 1)", arg="dropout")
+    if dropout and layout.num_layers > 1:
+        raise UnsupportedError("dropout: between-layer dropout has no GPU kernel yet; nvdnn.reference takes its "
+                               "masks", arg="dropout")
+    return layout, weights, steps, batch
+
+
+def _check_lengths(lengths, batch: int, steps: int) -> None:
+    """(B,) integers; host values also in [0, T] (device ones are clamped by the kernel's test t < len)."""
+    lengths = np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths
+    meta = checks.describe(lengths, "lengths")
+    if meta.shape != (batch,) or meta.dtype not in ("int32", "int64"):
+        raise ValidationError(f"lengths: {meta.dtype} {meta.shape}; needs ({batch},) int32 or int64, each "
+                              "sequence's steps", arg="lengths")
+    if isinstance(lengths, (np.ndarray, list, tuple)):
+        values = np.asarray(lengths)
+        if values.size and (values.min() < 0 or values.max() > steps):
+            raise ValidationError(f"lengths: values {values.min()}..{values.max()}; each in [0, {steps}], the "
+                                  "sequence's steps", arg="lengths")
+
+
+def _scratch(cp, shape, kind):
+    buffer = cp.empty(shape, dtype=dtypes.BY_NAME[kind].np)
+    callsite.note_scratch(buffer)
+    return buffer
+
+
+def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout, stream):
+    layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
+                                           lengths, dropout)
+    checks.device()
+    checks.unmeasured(mode, "kernel", "input")
+    cp = arrays.cupy()
+    h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
+    given = {"input": input, "h0": h0, "c0": c0}
+    given.update((f"{name}.{l}.{d}", w[name]) for l, row in enumerate(weights) for d, w in enumerate(row)
+                 for name in KEYS if w[name] is not None)
+    xs, back = arrays.all_to_device(given)
+    for role in ("input", "h0", "c0"):
+        if role in xs and not xs[role].flags.c_contiguous:  # the kernel reads states packed, the GEMM rows
+            callsite.refuse(f"{role} copied to a packed layout")
+            xs[role] = cp.ascontiguousarray(xs[role])
+    kind = dtypes.of_array(xs["input"], arg="input").name
+    x = xs["input"]
+    unbatched = x.ndim == 2
+    if unbatched:
+        x, batch_first = x[:, None], False
+        xs.update((r, xs[r][:, None]) for r in ("h0", "c0") if r in xs)
+    dirs, hidden, out = layout.directions, layout.hidden_size, layout.out_size
+    gates = family.MODES[mode]
+    lens = None if lengths is None else device_vector(
+        cp, np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, np.int32, "lengths")
+    y_shape = (batch, steps, dirs * out) if batch_first else (steps, batch, dirs * out)
+    y = cp.empty(y_shape, dtype=x.dtype)
+    h_n = cp.empty((layout.num_layers * dirs, batch, out), dtype=x.dtype)
+    c_n = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
+    at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
+    layer_in = x
+    for layer in range(layout.num_layers):
+        y_layer = y if layer == layout.num_layers - 1 else _scratch(cp, y_shape, kind)
+        rows = layer_in.reshape(-1, layer_in.shape[-1])  # packed (T, B, F) or (B, T, F): a view
+        for d in range(dirs):
+            w = {name: xs.get(f"{name}.{layer}.{d}") for name in KEYS}
+            state = layer * dirs + d
+            xg = _scratch(cp, (rows.shape[0], gates * hidden), "float32")
+            matmul(rows, w["w_ih"].T, bias=w["b_ih"], dtype="float32", out=xg, stream=stream)
+            xg_steps = xg.reshape(y_shape[:2] + (gates * hidden,))
+            hg = _scratch(cp, (batch, gates * hidden), "float32")
+            c = _scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
+            h_full = _scratch(cp, (batch, hidden), kind) if layout.proj_size else None
+            start = xs["h0"][state] if "h0" in xs else None
+            previous = start
+            order = range(steps) if d == 0 else range(steps - 1, -1, -1)
+            for k, t in enumerate(order):
+                y_t = at_step(y_layer, t)[:, d * out:(d + 1) * out]
+                if previous is not None:
+                    matmul(previous, w["w_hh"].T, bias=w["b_hh"], dtype="float32", out=hg, stream=stream)
+                plan = family.plan_cell(mode, kind, batch, hidden, t=t, first=k == 0, last=k == steps - 1,
+                                        y_sb=y_t.strides[0] // y_t.itemsize if h_full is None else hidden,
+                                        xg_sb=xg_steps.strides[1 if not batch_first else 0] // 4,
+                                        hg_sb=gates * hidden)
+                target = h_full if h_full is not None else h_n[state]
+                launcher.run(plan, {
+                    "y": h_full if h_full is not None else y_t, "h": target, "c": c if c is not None else _NULL,
+                    "c_out": c_n[state] if c_n is not None else _NULL, "xg": at_step(xg_steps, t),
+                    "hg": hg if previous is not None else _NULL,
+                    "hb": w["b_hh"] if previous is None and w["b_hh"] is not None else _NULL,
+                    "h0": _NULL if start is None or layout.proj_size else start,
+                    "c0": xs["c0"][state] if "c0" in xs else _NULL, "lengths": lens if lens is not None else _NULL},
+                    stream=stream)
+                if h_full is not None:
+                    matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
+                    previous = y_t
+                else:
+                    previous = h_n[state]
+            if layout.proj_size:
+                from .functional import cast
+                cast(previous, kind, out=h_n[state])
+        layer_in = y_layer
+    if unbatched:
+        y, h_n, c_n = y[:, 0], h_n[:, 0], None if c_n is None else c_n[:, 0]
+    results = (y, h_n) if c_n is None else (y, (h_n, c_n))
+    if back is None:
+        return results
+    return (back(y), back(h_n)) if c_n is None else (back(y), (back(h_n), back(c_n)))
+
+
+@callsite.fast
+def lstm(input, hx=None, params=(), *, num_layers=1, bidirectional=False, batch_first=False, bias=True,
+         lengths=None, dropout=0.0, stream=None):
+    """``(output, (h_n, c_n))`` of a multi-layer LSTM, ``torch.nn.LSTM``'s meanings.
+
+    input (T, B, input_size) (``batch_first``: (B, T, ...); unbatched (T, input_size)), float32,
+    fp16 or bf16; ``hx`` (h0, c0) of (layers * directions, B, proj_size or hidden) and (...,
+    hidden), or None for zeros; ``params`` the weights in ``nn.LSTM._flat_weights`` order, or a
+    mapping with its parameter names (``module.state_dict()``): ``weight_hr`` gives proj_size.
+    ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
+    h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
+    (h, the next GEMM's operand), as cuDNN keeps it.
+    """
+    return _run("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, stream=stream)
+
+
+@callsite.fast
+def gru(input, hx=None, params=(), *, num_layers=1, bidirectional=False, batch_first=False, bias=True,
+        lengths=None, dropout=0.0, stream=None):
+    """``(output, h_n)`` of a multi-layer GRU, ``torch.nn.GRU``'s meanings (gates r, z, n); the
+    arguments are lstm's, ``hx`` h0 alone."""
+    return _run("gru", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, stream=stream)

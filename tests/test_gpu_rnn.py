@@ -1,0 +1,106 @@
+"""nvdnn.lstm and nvdnn.gru on the GPU against the float64 reference (nvdnn.reference.lstm / gru
+on the same rounded inputs), outputs NaN-poisoned: one and two layers, both directions,
+batch_first and unbatched, hidden 1, 7 and 129, a step of 1, a batch of 1, lengths (0, 1, full),
+proj_size, no biases, given and zero initial states, float32 / fp16 / bf16; then torch tensors and
+a module's own weights against torch.nn.LSTM / GRU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .gpu import host_dtype, poison_next_allocation, requires_gpu
+
+pytestmark = requires_gpu
+
+
+@pytest.fixture(autouse=True)
+def _measuring(monkeypatch):
+    """These tests are the measurement the RNN calls wait for behind NVDNN_UNMEASURED."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+
+
+# |error| bound on outputs and states in [-1, 1]: the state rounds to the type every step
+TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+CASES = {  # name: (mode, T, B, input, hidden, options)
+    "lstm_one_layer": ("lstm", 7, 3, 5, 7, {}),
+    "lstm_two_layers_bidirectional": ("lstm", 5, 2, 9, 16, dict(num_layers=2, bidirectional=True)),
+    "lstm_hidden_1_step_1": ("lstm", 1, 1, 3, 1, {}),
+    "lstm_hidden_129_batch_first": ("lstm", 4, 2, 33, 129, dict(batch_first=True)),
+    "lstm_lengths_bidirectional": ("lstm", 6, 3, 4, 8, dict(bidirectional=True, lengths=[6, 0, 1])),
+    "lstm_proj": ("lstm", 5, 2, 6, 16, dict(proj_size=8, num_layers=2)),
+    "lstm_no_bias_unbatched": ("lstm", 5, None, 4, 8, dict(bias=False)),
+    "gru_one_layer": ("gru", 7, 3, 5, 7, {}),
+    "gru_two_layers_bidirectional_lengths": ("gru", 5, 4, 6, 16, dict(num_layers=2, bidirectional=True,
+                                                                      lengths=[5, 2, 1, 0])),
+    "gru_batch_first_no_bias": ("gru", 3, 2, 8, 24, dict(batch_first=True, bias=False)),
+}
+
+
+def _params(mode, input_size, hidden, options, dtype, rng):
+    """A module's weights in _flat_weights order, uniform(-0.5, 0.5), as host arrays of ``dtype``."""
+    gates = 4 if mode == "lstm" else 3
+    proj, layers, dirs = options.get("proj_size", 0), options.get("num_layers", 1), 1 + options.get("bidirectional",
+                                                                                                   False)
+    out = proj or hidden
+    shapes = []
+    for layer in range(layers):
+        for _ in range(dirs):
+            width = input_size if layer == 0 else out * dirs
+            shapes += [(gates * hidden, width), (gates * hidden, out)]
+            shapes += [(gates * hidden,), (gates * hidden,)] if options.get("bias", True) else []
+            shapes += [(proj, hidden)] if proj else []
+    return [rng.uniform(-0.5, 0.5, shape).astype(host_dtype(dtype)) for shape in shapes]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_rnn_matches_float64(name, dtype, with_state):
+    import cupy
+
+    import nvdnn
+    mode, steps, batch, input_size, hidden, options = CASES[name]
+    options = dict(options)
+    proj = options.pop("proj_size", 0)
+    rng = np.random.default_rng()
+    host = _params(mode, input_size, hidden, dict(options, proj_size=proj), dtype, rng)
+    shape = (steps, input_size) if batch is None else (batch, steps, input_size) if options.get("batch_first") \
+        else (steps, batch, input_size)
+    x = rng.uniform(-1, 1, shape).astype(host_dtype(dtype))
+    states = options.get("num_layers", 1) * (1 + options.get("bidirectional", False))
+    lead = (states,) if batch is None else (states, batch)
+    hx = None
+    if with_state:
+        h0 = rng.uniform(-1, 1, lead + (proj or hidden,)).astype(host_dtype(dtype))
+        c0 = rng.uniform(-1, 1, lead + (hidden,)).astype(host_dtype(dtype))
+        hx = (h0, c0) if mode == "lstm" else h0
+    fn, ref = getattr(nvdnn, mode), getattr(nvdnn.reference, mode)
+    dev = lambda a: cupy.asarray(a)  # noqa: E731
+    dev_hx = None if hx is None else tuple(map(dev, hx)) if mode == "lstm" else dev(hx)
+    dirs = 1 + options.get("bidirectional", False)
+    poison_next_allocation(x.itemsize * steps * (batch or 1) * dirs * (proj or hidden))  # the output
+    got = fn(dev(x), dev_hx, [dev(p) for p in host], **options)
+    want = ref(x, hx, host, **options)
+    flat = lambda r: (r[0], *r[1]) if mode == "lstm" else r  # noqa: E731
+    for what, g, w in zip(("output", "h_n", "c_n"), flat(got), flat(want)):
+        g = cupy.asnumpy(g).astype(np.float64)
+        assert g.shape == w.shape and not np.isnan(g).any(), f"{name}: {what} {g.shape} / NaN"
+        err = np.abs(g - w).max()
+        assert err <= TOL[dtype], f"{name} {dtype}: {what} max error {err:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_torch_module_weights_match_torch(mode):
+    torch = pytest.importorskip("torch")
+    import nvdnn
+    torch.manual_seed(0)
+    module = getattr(torch.nn, mode.upper())(24, 48, num_layers=2, bidirectional=True, batch_first=True).cuda().half()
+    x = torch.randn(3, 17, 24, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        want = module(x)
+    for _ in range(2):  # the second call replays the recorded launches
+        got = getattr(nvdnn, mode)(x, None, module.state_dict(), num_layers=2, bidirectional=True, batch_first=True)
+        flat = lambda r: (r[0], *r[1]) if mode == "lstm" else r  # noqa: E731
+        for g, w in zip(flat(got), flat(want)):
+            assert isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype
+            assert (g.float() - w.float()).abs().max().item() <= 1e-2
