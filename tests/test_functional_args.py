@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import nvdnn
 from nvdnn.errors import DeviceError, DTypeError, NvdnnError, UnsupportedError, ValidationError
+from nvdnn.kernels import pointwise
 
 
 def _has_gpu() -> bool:
@@ -284,3 +285,14 @@ def test_what_a_remembered_check_passed_does_not_pass_a_look_alike():
     for _ in range(2):
         with pytest.raises(ValidationError, match="axis"):
             nvdnn.sum(ROW, axis=5)
+
+
+@pytest.mark.parametrize("grad", sorted(pointwise.DERIVATIVES.values()))
+def test_elementwise_takes_every_derivative_op(grad):
+    """A backward's chain (silu_grad times the upstream gradient) passes the checks: on a machine
+    without a GPU the device is what it stops at."""
+    params = [default for _, default in pointwise.OPS[grad].params]
+    try:
+        nvdnn.elementwise([(grad, ""), ("mul", "x1")], f32(8), f32(8), params=params)
+    except DeviceError:
+        assert not HAS_GPU
