@@ -90,7 +90,6 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
                                            lengths, dropout)
     checks.device()
-    checks.unmeasured(mode, "kernel", "input")
     cp = arrays.cupy()
     h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
     given = {"input": input, "h0": h0, "c0": c0}

@@ -13,12 +13,6 @@ from .gpu import host_dtype, poison_next_allocation, requires_gpu
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True)
-def _measuring(monkeypatch):
-    """These tests are the measurement the RNN calls wait for behind NVDNN_UNMEASURED."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
-
 # |error| bound on outputs and states in [-1, 1]: the state rounds to the type every step
 TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 CASES = {  # name: (mode, T, B, input, hidden, options)

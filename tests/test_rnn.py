@@ -53,15 +53,9 @@ def test_bad_arguments_are_named_before_device_work(args, kwargs, error, match):
         nvdnn.lstm(*args, **kwargs)
 
 
-def test_proj_with_lengths_and_the_unmeasured_gate(monkeypatch):
+def test_proj_with_lengths_is_not_taken_yet():
     params = _lstm_params(hidden=8)
     params[1] = np.zeros((32, 4), np.float32)
     params.append(np.zeros((4, 8), np.float32))  # weight_hr: proj_size 4
     with pytest.raises(UnsupportedError, match="proj_size"):
         nvdnn.lstm(np.zeros((3, 2, I), np.float32), None, params, lengths=[3, 1])
-    monkeypatch.delenv("NVDNN_UNMEASURED", raising=False)
-    from nvdnn import functional_checks
-    monkeypatch.setattr(functional_checks, "device", lambda: 0)  # past the device check, to the gate
-    with pytest.raises(UnsupportedError, match="NVDNN_UNMEASURED=1"):
-        nvdnn.gru(np.zeros((3, 2, I), np.float32), None, [np.zeros(s, np.float32) for s in ((21, I), (21, H))],
-                  bias=False)
