@@ -37,7 +37,7 @@ import nvdnn  # noqa: E402
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
              "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0,
              "nvdnn.functional_attention": 14.0, "nvdnn.functional_attention_backward": 14.0,
-             "nvdnn.functional_attention_decode": 14.0}
+             "nvdnn.functional_attention_decode": 14.0, "nvdnn.functional_rnn": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -297,6 +297,24 @@ def _decode(size):
                 lambda t, q, k, v: partial(t.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True))
 
 
+def _rnn(name, size):
+    """One LSTM / GRU layer over fp16 steps with zero initial states: a single step (small: the
+    input GEMM and the cell launch) or 16 (mid); PyTorch's torch.lstm / torch.gru (cuDNN's RNN)
+    on the same weights, its zero states made once."""
+    if name not in ("lstm", "gru"):
+        return None
+    gates = 4 if name == "lstm" else 3
+    t_, b, h = (1, 1, 64) if size == "small" else (16, 16, 256)
+    arrays = (Arr((t_, b, h), "float16"), Arr((gates * h, h), "float16"), Arr((gates * h, h), "float16"),
+              Arr((gates * h,), "float16"), Arr((gates * h,), "float16"))
+
+    def pt(t, x, *params):
+        zeros = t.zeros(1, b, h, device=x.device, dtype=x.dtype)
+        hx = (zeros, zeros) if name == "lstm" else zeros
+        return partial(getattr(t, name), x, hx, list(params), True, 1, 0.0, False, False, False)
+    return Case("calls", name, arrays, lambda n, x, *params: partial(getattr(n, name), x, None, list(params)), pt)
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -311,7 +329,7 @@ def rows(sizes=SIZES) -> tuple[list, list]:
                  or (_conv2d_backward(size) if name == "conv2d_backward" else None)
                  or (_sdpa(size) if name == "scaled_dot_product_attention" else None)
                  or (_sdpa_backward(size) if name == "scaled_dot_product_attention_backward" else None)
-                 or (_decode(size) if name == "decode_attention" else None))
+                 or (_decode(size) if name == "decode_attention" else None) or _rnn(name, size))
                 for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)

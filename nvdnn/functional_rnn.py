@@ -40,9 +40,9 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
     states = layout.num_layers * layout.directions
     unbatched = len(x.shape) == 2
     wants = {"h0": (states, batch, layout.out_size), "c0": (states, batch, layout.hidden_size)}
-    given = dict(zip(("h0", "c0"), hx)) if mode == "lstm" and hx is not None else {"h0": hx}
     if mode == "lstm" and hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
         raise ValidationError("hx: an LSTM's initial state is a pair (h0, c0), or None for zeros", arg="hx")
+    given = dict(zip(("h0", "c0"), hx)) if mode == "lstm" and hx is not None else {"h0": hx}
     for role, value in given.items():
         if value is None:
             continue
@@ -86,7 +86,11 @@ def _scratch(cp, shape, kind):
     return buffer
 
 
-def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout, stream):
+def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout,
+         dropout_masks, stream):
+    if dropout_masks is not None:
+        raise UnsupportedError("dropout_masks: the GPU path draws no between-layer dropout yet; nvdnn.reference "
+                               "takes the masks", arg="dropout_masks")
     layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
                                            lengths, dropout)
     checks.device()
@@ -166,8 +170,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
 
 
 @callsite.fast
-def lstm(input, hx=None, params=(), *, num_layers=1, bidirectional=False, batch_first=False, bias=True,
-         lengths=None, dropout=0.0, stream=None):
+def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
+         dropout=0.0, dropout_masks=None, stream=None):
     """``(output, (h_n, c_n))`` of a multi-layer LSTM, ``torch.nn.LSTM``'s meanings.
 
     input (T, B, input_size) (``batch_first``: (B, T, ...); unbatched (T, input_size)), float32,
@@ -176,16 +180,19 @@ def lstm(input, hx=None, params=(), *, num_layers=1, bidirectional=False, batch_
     mapping with its parameter names (``module.state_dict()``): ``weight_hr`` gives proj_size.
     ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
     h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
-    (h, the next GEMM's operand), as cuDNN keeps it.
+    (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` between layers and
+    ``dropout_masks`` (the reference's) raise an UnsupportedError for now.
     """
     return _run("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, stream=stream)
+                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks,
+                stream=stream)
 
 
 @callsite.fast
-def gru(input, hx=None, params=(), *, num_layers=1, bidirectional=False, batch_first=False, bias=True,
-        lengths=None, dropout=0.0, stream=None):
+def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
+        dropout=0.0, dropout_masks=None, stream=None):
     """``(output, h_n)`` of a multi-layer GRU, ``torch.nn.GRU``'s meanings (gates r, z, n); the
     arguments are lstm's, ``hx`` h0 alone."""
     return _run("gru", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, stream=stream)
+                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks,
+                stream=stream)
