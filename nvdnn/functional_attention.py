@@ -79,7 +79,7 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
 
 def _check_dropout(dropout_p, dropout_seed, packed: bool) -> None:
     """dropout_p a probability; above 0 it needs dropout_seed: an int seed (offset 0), a (seed,
-    offset) pair, or a (2,) int64 / uint64 array {seed, offset} read at run time."""
+    offset) pair, or a (2,) int64 array {seed, offset} read at run time."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)) or not 0 <= dropout_p <= 1:
         raise ValidationError(f"dropout_p: {dropout_p!r}; a probability in [0, 1]", arg="dropout_p")
     if not dropout_p:
@@ -90,16 +90,25 @@ def _check_dropout(dropout_p, dropout_seed, packed: bool) -> None:
         raise ValidationError(f"dropout_seed: dropout_p={dropout_p} needs the seed the backward repeats: an int, "
                               "a (seed, offset) pair, or a device array of two int64 {seed, offset}",
                               arg="dropout_seed")
-    pair = dropout_seed if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
-    if len(pair) == 2 and all(type(x) is int for x in pair):
+    pair = _seed_pair(dropout_seed)
+    if pair is not None:
         if not (0 <= pair[0] < 2 ** 64 and 0 <= pair[1] < 2 ** 32):
             raise ValidationError(f"dropout_seed: {dropout_seed!r}; the seed is 64 bits (0 <= seed < 2^64), the "
                                   "offset 32 bits", arg="dropout_seed")
         return
     meta = checks.describe(dropout_seed, "dropout_seed")
-    if meta.shape != (2,) or meta.dtype not in ("int64", "uint64"):
+    if meta.shape != (2,) or meta.dtype != "int64":
         raise ValidationError(f"dropout_seed: {meta.dtype} {meta.shape}; an int, a (seed, offset) pair of ints, or "
-                              "an int64 / uint64 array (2,) holding {seed, offset}", arg="dropout_seed")
+                              "an int64 array (2,) holding {seed, offset}", arg="dropout_seed")
+
+
+def _seed_pair(dropout_seed):
+    """(seed, offset) of an int or a pair of ints (NumPy's too), or None for anything else."""
+    pair = tuple(dropout_seed) if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
+    if len(pair) == 2 and all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+                              for x in pair):
+        return int(pair[0]), int(pair[1])
+    return None
 
 
 def dropout_input(cp, dropout_p, dropout_seed) -> tuple[dict, dict]:
@@ -107,13 +116,12 @@ def dropout_input(cp, dropout_p, dropout_seed) -> tuple[dict, dict]:
     is read in place (a replay reads its new contents), ints are copied per call."""
     if not dropout_p:
         return {}, {}
-    if isinstance(dropout_seed, (int, tuple, list)):
+    pair = _seed_pair(dropout_seed)
+    if pair is not None:
         callsite.refuse("dropout_seed copied to the device")
-        seed, offset = dropout_seed if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
-        words = cp.asarray(np.array([seed, offset], np.uint64))
+        words = cp.asarray(np.array(pair, np.uint64))
     else:
-        words = device_vector(cp, dropout_seed, np.uint64 if str(dropout_seed.dtype).endswith("uint64")
-                              else np.int64, "dropout_seed")
+        words = device_vector(cp, dropout_seed, np.int64, "dropout_seed")
     return {"dropout_seed": words}, {"dropout": float(dropout_p)}
 
 

@@ -112,14 +112,6 @@ def choice(table: dict, value, name: str):
     return table[value]
 
 
-def unmeasured(where: str, what: str, arg: str) -> None:
-    """Refuse an option whose kernel has not yet been checked on a GPU, unless NVDNN_UNMEASURED=1."""
-    from . import config
-    if not config.get("NVDNN_UNMEASURED"):
-        raise UnsupportedError(f"{arg}: {where}'s {what} is written but not yet measured against the float64 "
-                               "reference on a GPU; set NVDNN_UNMEASURED=1 to use it", arg=arg)
-
-
 def flag(value, where: str, name: str) -> bool:
     return FLAG.check(value, where, name)
 

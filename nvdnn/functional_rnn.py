@@ -1,4 +1,4 @@
-"""nvdnn.lstm, nvdnn.gru and their one-step cells on the GPU, the per-step path of issue 18: a
+"""nvdnn.lstm and nvdnn.gru on the GPU, the per-step path of issue 18: a
 layer's input projection of every time step as one GEMM (float32 sums, b_ih added), then per
 step the recurrent GEMM (h W_hh^T + b_hh, float32) and the cell kernel (kernels/rnn.py), which
 applies the gates and updates the state in place; with ``proj_size`` a third GEMM projects h.
@@ -37,6 +37,11 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
                          arg="input")
     steps, batch = (x.shape[0], 1) if len(x.shape) == 2 else (x.shape[1], x.shape[0]) if batch_first \
         else x.shape[:2]
+    if steps == 0 or batch == 0:
+        raise ValidationError(f"input: shape {x.shape}; needs at least one step and one sequence", arg="input")
+    if batch * layout.hidden_size >= 2 ** 31:
+        raise UnsupportedError(f"input: {batch} sequences x {layout.hidden_size} hidden units pass the cell "
+                               "kernel's 2^31", arg="input")
     states = layout.num_layers * layout.directions
     unbatched = len(x.shape) == 2
     wants = {"h0": (states, batch, layout.out_size), "c0": (states, batch, layout.hidden_size)}
@@ -58,8 +63,8 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
         if layout.proj_size:
             raise UnsupportedError("lengths: with proj_size the GPU path takes no lengths yet; "
                                    "nvdnn.reference computes it", arg="lengths")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValidationError(f"dropout: {dropout!r}; a probability in [0, 1)", arg="dropout")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0 <= dropout <= 1:
+        raise ValidationError(f"dropout: {dropout!r}; a probability in [0, 1]", arg="dropout")
     if dropout and layout.num_layers > 1:
         raise UnsupportedError("dropout: between-layer dropout has no GPU kernel yet; nvdnn.reference takes its "
                                "masks", arg="dropout")
@@ -100,8 +105,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     given.update((f"{name}.{l}.{d}", w[name]) for l, row in enumerate(weights) for d, w in enumerate(row)
                  for name in KEYS if w[name] is not None)
     xs, back = arrays.all_to_device(given)
-    for role in ("input", "h0", "c0"):
-        if role in xs and not xs[role].flags.c_contiguous:  # the kernel reads states packed, the GEMM rows
+    for role in [r for r in xs if r in ("input", "h0", "c0") or r.startswith("b_hh")]:
+        if not xs[role].flags.c_contiguous:  # the cell kernel reads states and b_hh packed, the GEMM rows
             callsite.refuse(f"{role} copied to a packed layout")
             xs[role] = cp.ascontiguousarray(xs[role])
     kind = dtypes.of_array(xs["input"], arg="input").name
@@ -181,7 +186,8 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
     h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` between layers and
-    ``dropout_masks`` (the reference's) raise an UnsupportedError for now.
+    ``dropout_masks`` (the reference's) raise an UnsupportedError for now. A repeat call replays
+    the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
     """
     return _run("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
                 batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks,

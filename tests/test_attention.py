@@ -12,7 +12,7 @@ import pytest
 
 import nvdnn
 from nvdnn import codegen, compiler
-from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
+from nvdnn.errors import DTypeError, NvdnnError, UnsupportedError, ValidationError
 from nvdnn.kernels import attention
 from nvdnn.kernels.attention import AttentionSpec
 from nvdnn.kernels.pointwise import Operand
@@ -126,6 +126,7 @@ def _bf16(shape):
     (dict(dropout_p=0.1, dropout_seed=-1), ValidationError, "64 bits"),
     (dict(dropout_p=0.1, dropout_seed=np.zeros(3, np.int64)), ValidationError, r"\(2,\)"),
     (dict(dropout_p=0.1, dropout_seed=np.zeros(2, np.int32)), ValidationError, "int64"),
+    (dict(dropout_p=0.1, dropout_seed=np.zeros(2, np.uint64)), NvdnnError, "uint64"),
     (dict(dropout_p=0.1, dropout_seed=1, dropout_mask=np.ones((33, 40), bool)), UnsupportedError, "draw their own"),
     (dict(scale=float("inf")), ValidationError, "scale"),
     (dict(alignment="center"), ValidationError, "alignment"),
@@ -189,10 +190,9 @@ def _graph_with_options(**attrs):
     return g, (q, k, v, do, lens_q, lens_kv, slopes, seed), (o, stats) + grads
 
 
-def test_graph_sdpa_takes_the_functional_options(monkeypatch):
+def test_graph_sdpa_takes_the_functional_options():
     """Lengths, ALiBi, window, soft cap and dropout on sdpa and sdpa_backward: the kernels' pointers
     bound to the graph's inputs, the numpy backend equal to the reference's."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
     attrs = dict(causal=True, window=(20, 0), softcap=30.0, dropout=0.25)
     g, inputs, outputs = _graph_with_options(**attrs)
     g.build()

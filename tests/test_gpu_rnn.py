@@ -22,6 +22,8 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
     "lstm_hidden_129_batch_first": ("lstm", 4, 2, 33, 129, dict(batch_first=True)),
     "lstm_lengths_bidirectional": ("lstm", 6, 3, 4, 8, dict(bidirectional=True, lengths=[6, 0, 1])),
     "lstm_proj": ("lstm", 5, 2, 6, 16, dict(proj_size=8, num_layers=2)),
+    "lstm_proj_bidirectional_batch_first": ("lstm", 4, 3, 6, 16, dict(proj_size=5, bidirectional=True,
+                                                                     batch_first=True)),
     "lstm_no_bias_unbatched": ("lstm", 5, None, 4, 8, dict(bias=False)),
     "gru_one_layer": ("gru", 7, 3, 5, 7, {}),
     "gru_two_layers_bidirectional_lengths": ("gru", 5, 4, 6, 16, dict(num_layers=2, bidirectional=True,
@@ -92,7 +94,7 @@ def test_torch_module_weights_match_torch(mode):
     x = torch.randn(3, 17, 24, device="cuda", dtype=torch.half)
     with torch.no_grad():
         want = module(x)
-    for _ in range(2):  # the second call replays the recorded launches
+    for _ in range(2):  # a mapping of weights: the full path both times
         got = getattr(nvdnn, mode)(x, None, module.state_dict(), num_layers=2, bidirectional=True, batch_first=True)
         flat = lambda r: (r[0], *r[1]) if mode == "lstm" else r  # noqa: E731
         for g, w in zip(flat(got), flat(want)):
