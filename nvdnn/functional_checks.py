@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, dtypes
-from .errors import DeviceError, DTypeError, UnsupportedError, ValidationError
+from .errors import DeviceError, DTypeError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
 from .graph.rules import FLAG, SCALAR, check_dims, check_extent
