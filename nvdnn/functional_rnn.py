@@ -14,6 +14,7 @@ import numpy as np
 from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
+from .functional import cast
 from .functional_attention import device_vector
 from .functional_matmul import matmul
 from .kernels import rnn as family
@@ -162,8 +163,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     previous = y_t
                 else:
                     previous = h_n[state]
-            if layout.proj_size:
-                from .functional import cast
+            if layout.proj_size:  # h_n: the last step's projected h, which lies in y
                 cast(previous, kind, out=h_n[state])
         layer_in = y_layer
     if unbatched:
