@@ -61,3 +61,101 @@ def test_proj_with_lengths_is_not_taken_yet():
     params.append(np.zeros((4, 8), np.float32))  # weight_hr: proj_size 4
     with pytest.raises(UnsupportedError, match="proj_size"):
         nvdnn.lstm(np.zeros((3, 2, I), np.float32), None, params, lengths=[3, 1])
+
+
+# -- the per-step orchestration, run for real with NumPy in place of the device ---------------------
+
+def _cell(plan, tensors, stream=None):
+    """templates/rnn/cell.cu.j2 in NumPy, every operand read through the plan's row strides (a
+    wrong stride or pointer in functional_rnn reads the wrong rows)."""
+    (launch,) = plan.launches
+    batch, hidden, t, first, last, y_sb, xg_sb, hg_sb = (int(a) for a in launch.args)
+    gates = rnn.MODES[launch.spec.mode]
+    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64)}
+
+    def rows(role, stride, width):
+        x = given[role]
+        return np.lib.stride_tricks.as_strided(x, (batch, width), (stride * x.itemsize, x.itemsize))
+    pre = rows("xg", xg_sb, gates * hidden).astype(np.float64).reshape(batch, gates, hidden)
+    rec = (rows("hg", hg_sb, gates * hidden) if "hg" in given
+           else np.broadcast_to(given.get("hb", np.zeros(gates * hidden)), (batch, gates * hidden)))
+    rec = rec.astype(np.float64).reshape(batch, gates, hidden)
+    h, state = given["h"], given.get("c")
+    h_prev = (given["h0"] if "h0" in given else np.zeros_like(h)) if first else h
+    h_prev = h_prev.astype(np.float64)
+    active = (t < given["lengths"] if "lengths" in given else np.ones(batch, bool))[:, None]
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    if launch.spec.mode == "lstm":
+        c_prev = ((given["c0"] if "c0" in given else np.zeros_like(state)) if first else state).astype(np.float64)
+        a = pre + rec
+        c_new = np.where(active, sig(a[:, 1]) * c_prev + sig(a[:, 0]) * np.tanh(a[:, 2]), c_prev)
+        h_new = np.where(active, sig(a[:, 3]) * np.tanh(c_new), h_prev)
+        state[...] = np.where(active | bool(first), c_new, state)
+        if last:
+            given["c_out"][...] = c_new
+    else:
+        z = sig(pre[:, 1] + rec[:, 1])
+        n = np.tanh(pre[:, 2] + sig(pre[:, 0] + rec[:, 0]) * rec[:, 2])
+        h_new = np.where(active, (1 - z) * n + z * h_prev, h_prev)
+    h_io = h_new.astype(h.dtype)
+    h[...] = np.where(active | bool(first), h_io, h)
+    rows("y", y_sb, hidden)[...] = np.where(active, h_io, 0)
+
+
+def _host_matmul(a, b, bias=None, dtype=None, out=None, stream=None):
+    out[...] = a.astype(np.float64) @ b.astype(np.float64) + (0 if bias is None else bias.astype(np.float64))
+
+
+@pytest.mark.parametrize("mode,steps,batch,hidden,options", [
+    ("lstm", 5, 3, 7, dict(num_layers=2, bidirectional=True)),
+    ("lstm", 4, 2, 8, dict(batch_first=True, lengths=np.array([4, 1]), bidirectional=True)),
+    ("lstm", 3, 2, 6, dict(proj_size=4, num_layers=2, bidirectional=True, batch_first=True)),
+    ("lstm", 5, None, 5, dict(bias=False)),
+    ("gru", 5, 4, 6, dict(num_layers=2, bidirectional=True, lengths=np.array([5, 2, 1, 0]))),
+    ("gru", 3, 2, 9, dict(batch_first=True)),
+])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_the_per_step_orchestration_matches_the_reference(mode, steps, batch, hidden, options, with_state,
+                                                          monkeypatch):
+    """functional_rnn's own loop -- GEMM operands, strides, the steps' order, first / last steps,
+    states, lengths, projections, layer inputs -- with NumPy GEMMs and the cell kernel in NumPy,
+    against nvdnn.reference: what the GPU tests check with the real kernels, on every CI run."""
+    import types
+
+    from nvdnn import arrays, callsite, functional_rnn
+    options = dict(options)
+    proj = options.pop("proj_size", 0)
+    rng = np.random.default_rng(3)
+    gates, dirs, layers = rnn.MODES[mode], 1 + options.get("bidirectional", False), options.get("num_layers", 1)
+    out, inputs = proj or hidden, 5
+    params = []
+    for layer in range(layers):
+        for _ in range(dirs):
+            shapes = [(gates * hidden, inputs if layer == 0 else out * dirs), (gates * hidden, out)]
+            shapes += [(gates * hidden,)] * 2 if options.get("bias", True) else []
+            shapes += [(proj, hidden)] if proj else []
+            params += [rng.uniform(-0.5, 0.5, s).astype(np.float32) for s in shapes]
+    shape = (steps, inputs) if batch is None else (batch, steps, inputs) if options.get("batch_first") \
+        else (steps, batch, inputs)
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    lead = (layers * dirs,) if batch is None else (layers * dirs, batch)
+    hx = None
+    if with_state:
+        h0, c0 = (rng.uniform(-1, 1, lead + (n,)).astype(np.float32) for n in (out, hidden))
+        hx = (h0, c0) if mode == "lstm" else h0
+    monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
+    monkeypatch.setattr(arrays, "cupy", lambda: types.SimpleNamespace(
+        empty=np.empty, ascontiguousarray=np.ascontiguousarray, asarray=np.asarray, ndarray=np.ndarray))
+    monkeypatch.setattr(arrays, "all_to_device", lambda values: ({r: v for r, v in values.items() if v is not None},
+                                                                 None))
+    monkeypatch.setattr(callsite, "note_scratch", lambda buffer: None)
+    monkeypatch.setattr(functional_rnn, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
+    monkeypatch.setattr(functional_rnn, "matmul", _host_matmul)
+    monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
+    monkeypatch.setattr(functional_rnn.launcher, "run", _cell)
+    got = getattr(functional_rnn, mode).full_path(x, hx, params, **options)
+    want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
+    flat = (lambda r: (r[0], *r[1])) if mode == "lstm" else (lambda r: r)
+    for what, g, w in zip(("output", "h_n", "c_n"), flat(got), flat(want)):
+        assert g.shape == w.shape, what
+        np.testing.assert_allclose(g, w, atol=2e-6, err_msg=what)
