@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from .gpu import host_dtype, poison_next_allocation, requires_gpu
+from .test_rnn import module_weights
 
 pytestmark = requires_gpu
 
@@ -32,22 +33,6 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
 }
 
 
-def _params(mode, input_size, hidden, options, dtype, rng):
-    """A module's weights in _flat_weights order, uniform(-0.5, 0.5), as host arrays of ``dtype``."""
-    gates = 4 if mode == "lstm" else 3
-    proj, layers, dirs = options.get("proj_size", 0), options.get("num_layers", 1), 1 + options.get("bidirectional",
-                                                                                                   False)
-    out = proj or hidden
-    shapes = []
-    for layer in range(layers):
-        for _ in range(dirs):
-            width = input_size if layer == 0 else out * dirs
-            shapes += [(gates * hidden, width), (gates * hidden, out)]
-            shapes += [(gates * hidden,), (gates * hidden,)] if options.get("bias", True) else []
-            shapes += [(proj, hidden)] if proj else []
-    return [rng.uniform(-0.5, 0.5, shape).astype(host_dtype(dtype)) for shape in shapes]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("with_state", [False, True])
@@ -59,7 +44,7 @@ def test_rnn_matches_float64(name, dtype, with_state):
     options = dict(options)
     proj = options.pop("proj_size", 0)
     rng = np.random.default_rng()
-    host = _params(mode, input_size, hidden, dict(options, proj_size=proj), dtype, rng)
+    host = module_weights(mode, input_size, hidden, dict(options, proj_size=proj), host_dtype(dtype), rng)
     shape = (steps, input_size) if batch is None else (batch, steps, input_size) if options.get("batch_first") \
         else (steps, batch, input_size)
     x = rng.uniform(-1, 1, shape).astype(host_dtype(dtype))
@@ -73,8 +58,9 @@ def test_rnn_matches_float64(name, dtype, with_state):
     fn, ref = getattr(nvdnn, mode), getattr(nvdnn.reference, mode)
     dev = lambda a: cupy.asarray(a)  # noqa: E731
     dev_hx = None if hx is None else tuple(map(dev, hx)) if mode == "lstm" else dev(hx)
-    dirs = 1 + options.get("bidirectional", False)
-    poison_next_allocation(x.itemsize * steps * (batch or 1) * dirs * (proj or hidden))  # the output
+    dirs, rows = 1 + options.get("bidirectional", False), batch or 1
+    poison_next_allocation(x.itemsize * steps * rows * dirs * (proj or hidden),   # output, h_n, c_n
+                           x.itemsize * states * rows * (proj or hidden), x.itemsize * states * rows * hidden)
     got = fn(dev(x), dev_hx, [dev(p) for p in host], **options)
     want = ref(x, hx, host, **options)
     flat = lambda r: (r[0], *r[1]) if mode == "lstm" else r  # noqa: E731

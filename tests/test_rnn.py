@@ -65,6 +65,20 @@ def test_proj_with_lengths_is_not_taken_yet():
 
 # -- the per-step orchestration, run for real with NumPy in place of the device ---------------------
 
+def module_weights(mode, input_size, hidden, options, dtype, rng) -> list:
+    """A module's weights in _flat_weights order for ``options`` (num_layers, bidirectional, bias,
+    proj_size), uniform(-0.5, 0.5), as host arrays of NumPy ``dtype``."""
+    gates, proj = rnn.MODES[mode], options.get("proj_size", 0)
+    dirs, out = 1 + options.get("bidirectional", False), proj or hidden
+    shapes = []
+    for layer in range(options.get("num_layers", 1)):
+        for _ in range(dirs):
+            shapes += [(gates * hidden, input_size if layer == 0 else out * dirs), (gates * hidden, out)]
+            shapes += [(gates * hidden,)] * 2 if options.get("bias", True) else []
+            shapes += [(proj, hidden)] if proj else []
+    return [rng.uniform(-0.5, 0.5, shape).astype(dtype) for shape in shapes]
+
+
 def _cell(plan, tensors, stream=None):
     """templates/rnn/cell.cu.j2 in NumPy, every operand read through the plan's row strides (a
     wrong stride or pointer in functional_rnn reads the wrong rows)."""
@@ -123,18 +137,11 @@ def test_the_per_step_orchestration_matches_the_reference(mode, steps, batch, hi
     import types
 
     from nvdnn import arrays, callsite, functional_rnn
+    inputs, rng = 5, np.random.default_rng(3)
+    params = module_weights(mode, inputs, hidden, options, np.float32, rng)
     options = dict(options)
     proj = options.pop("proj_size", 0)
-    rng = np.random.default_rng(3)
-    gates, dirs, layers = rnn.MODES[mode], 1 + options.get("bidirectional", False), options.get("num_layers", 1)
-    out, inputs = proj or hidden, 5
-    params = []
-    for layer in range(layers):
-        for _ in range(dirs):
-            shapes = [(gates * hidden, inputs if layer == 0 else out * dirs), (gates * hidden, out)]
-            shapes += [(gates * hidden,)] * 2 if options.get("bias", True) else []
-            shapes += [(proj, hidden)] if proj else []
-            params += [rng.uniform(-0.5, 0.5, s).astype(np.float32) for s in shapes]
+    dirs, layers, out = 1 + options.get("bidirectional", False), options.get("num_layers", 1), proj or hidden
     shape = (steps, inputs) if batch is None else (batch, steps, inputs) if options.get("batch_first") \
         else (steps, batch, inputs)
     x = rng.uniform(-1, 1, shape).astype(np.float32)
