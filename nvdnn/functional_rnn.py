@@ -40,9 +40,7 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
         else x.shape[:2]
     if steps == 0 or batch == 0:
         raise ValidationError(f"input: shape {x.shape}; needs at least one step and one sequence", arg="input")
-    if batch * layout.hidden_size >= 2 ** 31:
-        raise UnsupportedError(f"input: {batch} sequences x {layout.hidden_size} hidden units pass the cell "
-                               "kernel's 2^31", arg="input")
+    family.check_units(batch, layout.hidden_size)
     states = layout.num_layers * layout.directions
     unbatched = len(x.shape) == 2
     wants = {"h0": (states, batch, layout.out_size), "c0": (states, batch, layout.hidden_size)}

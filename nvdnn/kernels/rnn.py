@@ -51,13 +51,18 @@ class RNNCellSpec(KernelSpec):
         return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "mode": self.mode}
 
 
-def plan_cell(mode: str, dtype: str, batch: int, hidden: int, *, t: int, first: bool, last: bool, y_sb: int,
-              xg_sb: int, hg_sb: int) -> Plan:
-    """One step's gate launch for ``batch`` sequences of ``hidden`` units; row strides in elements."""
-    threads = batch * hidden
-    if threads >= 2 ** 31:
+def check_units(batch: int, hidden: int) -> None:
+    """The cell kernel's thread a (sequence, hidden unit) counts in 32 bits."""
+    if batch * hidden >= 2 ** 31:
         raise UnsupportedError(f"input: {batch} sequences x {hidden} hidden units pass the cell kernel's 2^31",
                                arg="input")
+
+
+def plan_cell(mode: str, dtype: str, batch: int, hidden: int, *, t: int, first: bool, last: bool, y_sb: int,
+              xg_sb: int, hg_sb: int) -> Plan:
+    """One step's gate launch for ``batch`` sequences of ``hidden`` units (check_units passed);
+    row strides in elements."""
+    threads = batch * hidden
     args = (np.int32(batch), np.int32(hidden), np.int32(t), np.int32(first), np.int32(last),
             np.int64(y_sb), np.int64(xg_sb), np.int64(hg_sb))
     return Plan((Launch(RNNCellSpec(mode, dtype), (-(-threads // THREADS), 1, 1), (THREADS, 1, 1), 0, POINTERS,
