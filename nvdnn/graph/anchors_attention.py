@@ -69,9 +69,8 @@ def _graph_roles(plan):
 
 
 def _reference_options(a, v) -> dict:
-    """The reference's keywords for the node's options (lengths and seed back to ints)."""
-    lens = {name: v[role].astype(int) for name, role in (("seq_lens_q", "seq_len_q"), ("seq_lens_kv", "seq_len_kv"))
-            if role in v}
+    """The reference's keywords for the node's options."""
+    lens = {name: v[role] for name, role in (("seq_lens_q", "seq_len_q"), ("seq_lens_kv", "seq_len_kv")) if role in v}
     return dict(window=a["window"], softcap=a["softcap"], alibi_slopes=v.get("alibi_slopes"),
                 dropout_p=a["dropout"], dropout_seed=v.get("dropout_seed"), **lens)
 

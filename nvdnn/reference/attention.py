@@ -123,22 +123,30 @@ def _probabilities(s, allowed, lse):
         return np.where(allowed & ~np.isneginf(lse)[..., None], np.exp(s - lse[..., None]), 0.0)
 
 
-def _dropped(p, dropout_p, dropout_mask, dropout_seed=None):
-    """p with the dropped entries zeroed and the kept ones scaled by 1 / (1 - dropout_p); the
-    mask given, or the kernels' draw from ``dropout_seed`` (an int, (seed, offset) or an array
-    of those two; dropout_p then rounds to 16 bits as theirs does)."""
+def _dropout(shape, dropout_p, dropout_mask, dropout_seed):
+    """(the kept entries of scores of ``shape``, the probability they drop at): the mask given,
+    or the kernels' draw from ``dropout_seed`` (an int, (seed, offset) or an array of those two;
+    dropout_p then rounds to 16 bits as theirs does); (None, 0) without dropout."""
     if not dropout_p:
-        return p
+        return None, 0.0
     if dropout_mask is None and dropout_seed is not None:
         words = dropout_seed.tolist() if hasattr(dropout_seed, "tolist") else dropout_seed
         seed, offset = (int(x) % 2 ** 64 for x in (words if isinstance(words, (tuple, list)) else (words, 0)))
-        heads, rows, keys = p.shape[-3:]
-        batch = int(np.prod(p.shape[:-3]))  # batch dims flattened, as the kernels' (B, H) order
-        dropout_mask = attention_dropout_mask((batch, heads, rows, keys), dropout_p, seed, offset)
-        dropout_mask, dropout_p = dropout_mask.reshape(p.shape), dropout_threshold(dropout_p)[1]
+        heads, rows, keys = shape[-3:]
+        batch = int(np.prod(shape[:-3]))  # batch dims flattened, as the kernels' (B, H) order
+        mask = attention_dropout_mask((batch, heads, rows, keys), dropout_p, seed, offset)
+        return mask.reshape(shape), dropout_threshold(dropout_p)[1]
     if dropout_mask is None:
         raise ValueError("dropout_mask: dropout_p > 0 needs dropout_seed, or the mask of kept entries")
-    return p * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p) if dropout_p < 1 else np.zeros_like(p)
+    return np.asarray(dropout_mask, dtype=bool), dropout_p
+
+
+def _dropped(x, dropout) -> np.ndarray:
+    """x with the dropped entries zeroed and the kept ones scaled by 1 / (1 - p)."""
+    mask, p = dropout
+    if mask is None:
+        return x
+    return x * mask / (1.0 - p) if p < 1 else np.zeros_like(x)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -164,7 +172,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     groups = _groups(q, k, v, enable_gqa)
     s, allowed, live, _ = _scores(q, k, groups, **_options(locals()))
     lse = _lse(s, allowed, live, sinks)
-    p = _dropped(_probabilities(s, allowed, lse), dropout_p, dropout_mask, dropout_seed)
+    p = _dropped(_probabilities(s, allowed, lse), _dropout(s.shape, dropout_p, dropout_mask, dropout_seed))
     o = np.matmul(p, _expand(v, groups))
     return (o, lse) if return_lse else o
 
@@ -197,8 +205,9 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     s, allowed, _, tanh = _scores(q, k, groups, **_options(locals()))
     p = _probabilities(s, allowed, lse)
     ke, ve = _expand(k, groups), _expand(v, groups)
-    dv = _sum_groups(np.matmul(np.swapaxes(_dropped(p, dropout_p, dropout_mask, dropout_seed), -1, -2), do), groups)
-    dp = _dropped(np.matmul(do, np.swapaxes(ve, -1, -2)), dropout_p, dropout_mask, dropout_seed)
+    dropout = _dropout(p.shape, dropout_p, dropout_mask, dropout_seed)
+    dv = _sum_groups(np.matmul(np.swapaxes(_dropped(p, dropout), -1, -2), do), groups)
+    dp = _dropped(np.matmul(do, np.swapaxes(ve, -1, -2)), dropout)
     rows = (do * o).sum(axis=-1, keepdims=True)
     ds = p * (dp - rows)
     dmask = None
@@ -260,10 +269,8 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
     k, v = _f64(key_cache), _f64(value_cache)
     if block_table is not None:
         table = np.asarray(block_table)
-        if table.dtype.kind == "f":  # a graph's NumPy backend hands every tensor over in float64
-            if (table != np.round(table)).any():
-                raise ValueError("block_table: page numbers must be integers")
-            table = table.astype(np.int64)
+        if table.dtype.kind not in "iu":
+            raise ValueError(f"block_table: data type {table.dtype}; page numbers are integers")
         if table.size and (table.min() < 0 or table.max() >= k.shape[0]):
             raise ValueError(f"block_table: page numbers must lie in [0, {k.shape[0]})")
         # (B, blocks, block_size, Hkv, D) -> (B, Hkv, blocks * block_size, D)
