@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
-from .runtime import DependentFunction
+from .runtime import DependentFunction, LaunchExFunction
 
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
 SEEN_LIMIT = 64    # address tuples whose overlap pattern a signature remembers
@@ -248,7 +248,7 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
     if isinstance(function, DependentFunction) and nbytes < DEPENDENT_MIN_BYTES:
         function = function.plain
     deferred = tuple((slot, s[1]) for slot, s in enumerate(sources) if s[0] == "c" and hasattr(s[1], "resolve"))
-    cupy_launch = not isinstance(function, DependentFunction)
+    cupy_launch = not isinstance(function, LaunchExFunction)
     mapped = {arg.pointer for _, arg in deferred}
     template, objects, addresses = [], [], []
     for slot, source in enumerate(sources):
@@ -310,7 +310,7 @@ def _resolved(launch: _Launch, slot: int, arg, pointer):
     value = launch.resolved.get(key)
     if value is None:
         value = arg.resolve(address)
-        if not isinstance(launch.function, DependentFunction):
+        if not isinstance(launch.function, LaunchExFunction):
             value = _CUPY.cuda.function.CNumpyArray(value)
         if len(launch.resolved) >= RESOLVED_LIMIT:
             launch.resolved.clear()

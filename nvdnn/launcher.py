@@ -25,8 +25,8 @@ def functions(plan: Plan, device: int, arch: str | None = None) -> list:
     """The loaded kernel of every launch, compiled or fetched from the cache on first use."""
     arch = arch or compiler.device_arch(device)
     cache = default_cache()
-    return [runtime.function(cache.get(launch.spec, arch), device, launch.shared_mem, launch.spec.dependent_launch)
-            for launch in plan.launches]
+    return [runtime.function(cache.get(launch.spec, arch), device, launch.shared_mem, launch.spec.dependent_launch,
+                             launch.spec.cooperative) for launch in plan.launches]
 
 
 def run(plan: Plan, tensors: dict, *, workspace=None, stream=None, device: int | None = None) -> None:

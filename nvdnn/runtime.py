@@ -15,7 +15,8 @@ _FUNCTIONS: dict[tuple[str, int], object] = {}
 _MODULES: list = []  # keep modules alive for as long as their functions may run
 _OPTED_IN: dict[tuple[str, int], int] = {}  # dynamic shared memory each loaded function may use
 _RESIDENT: dict[tuple, int] = {}  # co-resident clusters of a persistent kernel by launch shape
-_DEPENDENT: dict[int, "DependentFunction"] = {}  # by CUfunction handle
+_LAUNCH_EX: dict[tuple, "LaunchExFunction"] = {}  # by (class, CUfunction handle)
+_SMS: dict[int, int] = {}  # multiprocessors by device
 _LOCK = threading.Lock()
 
 
@@ -24,16 +25,20 @@ DEFAULT_SHARED = 48 * 1024  # dynamic shared memory beyond this needs an opt-in 
 NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
-def function(binary: KernelBinary, device_id: int, shared_mem: int = 0, dependent: bool = False):
+def function(binary: KernelBinary, device_id: int, shared_mem: int = 0, dependent: bool = False,
+             cooperative: bool = False):
     """The CuPy function of ``binary`` on ``device_id``, loading its module on first use, opted in
     to ``shared_mem`` bytes of dynamic shared memory where that exceeds the default 48 KB.
     ``dependent`` (the spec's dependent_launch): built for sm_90 or later, it comes back as a
-    DependentFunction, called the same way."""
+    DependentFunction; ``cooperative`` (the spec's): as a CooperativeFunction; both are called the
+    same way."""
     found = _FUNCTIONS.get((binary.key, device_id))
     if found is None:
         found = _load(binary, device_id)
-    if dependent and compiler.arch_number(binary.arch) >= 90:
-        found = _DEPENDENT.get(found.ptr) or _DEPENDENT.setdefault(found.ptr, DependentFunction(found))
+    kind = CooperativeFunction if cooperative else \
+        DependentFunction if dependent and compiler.arch_number(binary.arch) >= 90 else None
+    if kind is not None:
+        found = _LAUNCH_EX.get((kind, found.ptr)) or _LAUNCH_EX.setdefault((kind, found.ptr), kind(found))
     if shared_mem > DEFAULT_SHARED and _OPTED_IN.get((binary.key, device_id), 0) < shared_mem:
         from cupy_backends.cuda.api import driver
         with _LOCK:
@@ -65,28 +70,24 @@ _SLOT = {np.int32: "i4x", np.uint32: "I4x", np.float32: "f4x", np.int64: "q", np
 _CONFIGS_KEPT = 256  # launch configurations a kernel keeps (by grid, block, shared memory, stream)
 
 
-class DependentFunction:
-    """A kernel launched with programmatic stream serialization (cuLaunchKernelEx): the driver
-    starts its blocks while the kernel ahead of it in the stream drains, and its own
-    grid_dependency_wait() holds them until that kernel's writes are visible. Hides the gap
-    between two kernels, about 1.5 us on the H200 (a 51 MB copy: 27.2 -> 25.7 us); CUDA graphs
-    capture it as a programmatic edge. Called as a CuPy function is; arguments are CuPy arrays,
-    addresses (Python ints) and NumPy scalars. Host work kept small: one launch configuration per
-    shape and stream, one parameter buffer per argument layout (the driver copies it during the
-    call), the arguments packed as they come (NumPy scalars convert themselves)."""
+class LaunchExFunction:
+    """A kernel launched through cuLaunchKernelEx with the launch attribute its subclass sets
+    (``_attribute``). Called as a CuPy function is; arguments are CuPy arrays, addresses (Python
+    ints) and NumPy scalars. Host work kept small: one launch configuration per shape and stream,
+    one parameter buffer per argument layout (the driver copies it during the call), the
+    arguments packed as they come (NumPy scalars convert themselves)."""
 
     def __init__(self, plain):
         import cupy
         from cuda.bindings import driver
-        self.plain = plain  # the same kernel, launched the ordinary way (its wait is then a no-op)
+        self.plain = plain  # the same kernel, launched the ordinary way
         self.ptr = plain.ptr
         self._handle = driver.CUfunction(plain.ptr)
         self._launch = driver.cuLaunchKernelEx
         self._success = driver.CUresult.CUDA_SUCCESS
         self._current_stream = cupy.cuda.get_current_stream
         attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
+        self._attribute(driver, attr)
         self._attrs = [attr]
         self._configs: dict[tuple, object] = {}
         self._params: dict[tuple, tuple] = {}  # argument types -> (format, buffer, its pointer table, any arrays)
@@ -119,6 +120,29 @@ class DependentFunction:
         arrays = any(reader(k) is cupy_meta for k in kinds)
         found = self._params[kinds] = (param_format(kinds), buffer, table, arrays)
         return found
+
+
+class DependentFunction(LaunchExFunction):
+    """Programmatic stream serialization: the driver starts its blocks while the kernel ahead of
+    it in the stream drains, and its own grid_dependency_wait() holds them until that kernel's
+    writes are visible. Hides the gap between two kernels, about 1.5 us on the H200 (a 51 MB
+    copy: 27.2 -> 25.7 us); CUDA graphs capture it as a programmatic edge. Launched the plain way
+    its wait is a no-op, so a replay may demote it."""
+
+    @staticmethod
+    def _attribute(driver, attr):
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+
+
+class CooperativeFunction(LaunchExFunction):
+    """A cooperative launch: every block of the grid resident at once, or the launch fails (never
+    a grid barrier waiting on a block that cannot start). Needed for correctness: never demoted."""
+
+    @staticmethod
+    def _attribute(driver, attr):
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attr.value.cooperative = 1
 
 
 def param_buffer(n: int) -> tuple:
@@ -185,6 +209,15 @@ def launch_config(grid, block, shared_mem: int, stream: int = 0, attrs: list = (
         config.attrs = list(attrs)
     config.numAttrs = len(attrs)
     return config
+
+
+def sm_count(device_id: int) -> int:
+    """The device's multiprocessors, asked once."""
+    found = _SMS.get(device_id)
+    if found is None:
+        import cupy
+        found = _SMS[device_id] = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+    return found
 
 
 def loaded_count() -> int:

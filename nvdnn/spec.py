@@ -53,6 +53,9 @@ class KernelSpec:
     # True: the template calls nvdnn::grid_dependency_wait() before it touches global memory
     # (common/dependent_launch.cuh), so on sm_90 and later it launches as a dependent grid
     dependent_launch: ClassVar[bool] = False
+    # True: the blocks meet at grid-wide barriers, so the kernel launches cooperatively (every
+    # block resident at once, or the launch fails instead of hanging)
+    cooperative: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -57,7 +57,7 @@ def test_dependent_specs_built_for_sm90_launch_as_dependent_grids(monkeypatch):
         ptr = 1234
 
     monkeypatch.setattr(runtime, "_load", lambda binary, device: Plain)
-    monkeypatch.setattr(runtime, "_DEPENDENT", {})
+    monkeypatch.setattr(runtime, "_LAUNCH_EX", {})
 
     def binary(arch):
         return KernelBinary("k" + arch, "reduce_affine/x", arch, "nvdnn_reduce_affine", b"")
@@ -67,6 +67,13 @@ def test_dependent_specs_built_for_sm90_launch_as_dependent_grids(monkeypatch):
     found = runtime.function(binary("sm_90"), 0, dependent=True)
     assert isinstance(found, runtime.DependentFunction) and found.ptr == Plain.ptr
     assert runtime.function(binary("sm_90a"), 0, dependent=True) is found  # one wrapper a kernel
+    cooperative = runtime.function(binary("sm_80"), 0, cooperative=True)  # any arch; never a dependent one
+    assert isinstance(cooperative, runtime.CooperativeFunction) and not isinstance(cooperative,
+                                                                                    runtime.DependentFunction)
+    assert runtime.function(binary("sm_80"), 0, cooperative=True) is cooperative
+    attr = cooperative._attrs[0]
+    from cuda.bindings import driver
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE and attr.value.cooperative == 1
 
 
 def test_a_launch_config_pads_grid_and_block_to_three_dims():

@@ -229,7 +229,8 @@ class Execution:
                     else:
                         slot, view = place(by_role[role])
                         slots.append(slot), pointers.append(view)
-                fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem, lp.spec.dependent_launch)
+                fn = runtime.function(self.binaries[lp.spec], device, lp.shared_mem, lp.spec.dependent_launch,
+                                      lp.spec.cooperative)
                 grid = runtime.resident_grid(fn, lp.spec, lp.grid, lp.block, lp.shared_mem)
                 deferred = callsite.has_deferred(lp.args)
                 launches.append((_Launch(fn, grid, lp.block, tuple(slots), _constants(fn, lp.args, deferred),
@@ -472,7 +473,7 @@ _SCALARS = (np.int32, np.uint32, np.int64, np.float32, np.float64)  # not np.uin
 def _constants(fn, tail: tuple, deferred: bool = False) -> tuple:
     """A launch's scalar arguments as a CuPy launch takes them fastest (callsite.cupy_argument).
     Dependent launches pack NumPy scalars themselves; arguments resolved at launch stay."""
-    if deferred or isinstance(fn, runtime.DependentFunction):
+    if deferred or isinstance(fn, runtime.LaunchExFunction):
         return tail
     return tuple(callsite.cupy_argument(a) if type(a) in _SCALARS else a for a in tail)
 
