@@ -182,9 +182,11 @@ def run(shape: Shape, dtype: str) -> dict:
     tx, tdy = torch.from_dlpack(x).requires_grad_(), torch.from_dlpack(dy)
     ty = layer(tx)
     ty.backward(tdy)
-    worst = max(_rel(torch, torch.from_dlpack(mine), theirs) for mine, theirs in
-                [(y, ty), (dx, tx.grad)] + [(grads[n], tw[n].grad) for n in grads])
-    row = {"seq": shape.seq, "max rel err vs torch": f"{worst:.1e}"}
+    errors = {name: _rel(torch, torch.from_dlpack(mine), theirs) for name, mine, theirs in
+              [("y", y, ty), ("dx", dx, tx.grad)] + [(f"d{n}", grads[n], tw[n].grad) for n in grads]}
+    worst = max(errors, key=errors.get)
+    row = {"seq": shape.seq, "max rel err vs torch": f"{errors[worst]:.1e} ({worst})",
+           "errors": {name: f"{e:.1e}" for name, e in errors.items()}}
 
     def nv_forward():
         forward(nvdnn, cupy, w, x, shape, tables)
