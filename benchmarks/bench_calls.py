@@ -37,7 +37,8 @@ import nvdnn  # noqa: E402
 TARGET_US = {"nvdnn.functional": 9.0, "nvdnn.functional_anchors": 12.0, "nvdnn.functional_matmul": 14.0,
              "nvdnn.functional_matmul_backward": 14.0, "nvdnn.functional_conv": 14.0,
              "nvdnn.functional_attention": 14.0, "nvdnn.functional_attention_backward": 14.0,
-             "nvdnn.functional_attention_decode": 14.0, "nvdnn.functional_rnn": 14.0}
+             "nvdnn.functional_attention_decode": 14.0, "nvdnn.functional_rnn": 14.0,
+             "nvdnn.functional_rnn_backward": 14.0}
 TORCH_SLACK_US = 2.0   # nvdnn with PyTorch tensors against nvdnn with CuPy arrays
 SIZES = ("small", "mid")
 FLAT = {"small": (4096,), "mid": (1024, 1024)}
@@ -315,6 +316,35 @@ def _rnn(name, size):
     return Case("calls", name, arrays, lambda n, x, *params: partial(getattr(n, name), x, None, list(params)), pt)
 
 
+def _rnn_backward(name, size):
+    """That layer's backward from a training forward's reserve (nvdnn: a cell-backward launch and
+    a GEMM a step, then the weight GEMMs and sums), the forward run once, at the first call;
+    PyTorch: autograd through torch.lstm / torch.gru, the forward recorded once, so the timed call
+    is the backward alone."""
+    if name not in ("lstm_backward", "gru_backward"):
+        return None
+    mode = name.split("_")[0]
+    forward = _rnn(mode, size)
+    dy = Arr(forward.inputs[0].shape, "float16")
+
+    def nv(n, dy, x, *params):
+        reserve = []
+
+        def call():
+            if not reserve:
+                reserve.append(getattr(n, mode)(x, None, list(params), training=True)[-1])
+            return getattr(n, name)(dy, None, x, None, list(params), reserve=reserve[0])
+        return call
+
+    def pt(t, dy, x, *params):
+        leaves = [a.detach().requires_grad_() for a in (x, *params)]
+        zeros = t.zeros((1,) + tuple(x.shape[1:]), device=x.device, dtype=x.dtype)
+        y = getattr(t, mode)(leaves[0], (zeros, zeros) if mode == "lstm" else zeros, leaves[1:], True, 1, 0.0, True,
+                             False, False)[0]
+        return partial(t.autograd.grad, y, leaves, dy, retain_graph=True)
+    return Case("calls", name, (dy,) + forward.inputs, nv, pt)
+
+
 EXTRA_ROWS = ("batch_norm[training]",)
 
 
@@ -329,7 +359,8 @@ def rows(sizes=SIZES) -> tuple[list, list]:
                  or (_conv2d_backward(size) if name == "conv2d_backward" else None)
                  or (_sdpa(size) if name == "scaled_dot_product_attention" else None)
                  or (_sdpa_backward(size) if name == "scaled_dot_product_attention_backward" else None)
-                 or (_decode(size) if name == "decode_attention" else None) or _rnn(name, size))
+                 or (_decode(size) if name == "decode_attention" else None) or _rnn(name, size)
+                 or _rnn_backward(name, size))
                 for size in sizes]
         if any(case is None for _, case in made):
             missing.append(name)

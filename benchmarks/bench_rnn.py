@@ -4,12 +4,16 @@ batch 1 / 16 / 64 / 256, 128 or 1024 steps, 1 or 4 layers. Per row: kernel time 
 every kernel of the call), call time (back-to-back calls of the public function), microseconds a
 step (kernel time / steps / layers), the ratio PyTorch / nvdnn, and the error against the module's
 output. Sorted worst first with the geometric mean. ``--quick``: the rows of 128 steps, 1 layer.
+``--train``: a training step instead, nvdnn's forward with ``training=True`` and lstm_backward /
+gru_backward on its reserve against the module's forward and torch.autograd.grad of the output
+(given a random gradient) with respect to the input and every weight; err is on the input's gradient.
 
-    python benchmarks/bench_rnn.py [--quick] [--gru] [--json out.json]
+    python benchmarks/bench_rnn.py [--quick] [--gru] [--train] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -26,15 +30,34 @@ STEPS = (128, 1024)
 LAYERS = (1, 4)
 
 
-def run(torch, nvdnn, mode: str, hidden: int, batch: int, steps: int, layers: int) -> dict:
+def _calls(torch, nvdnn, mode: str, module, x, layers: int, train: bool) -> dict:
+    """label -> fn(i): one forward, or one training step (forward and the gradients of the input
+    and every weight); the first item of each result is what err compares."""
+    weights = [w.detach() for w in module._flat_weights]
+    forward = getattr(nvdnn, mode)
+    if not train:
+        return {"nvdnn": lambda _: forward(x, None, weights, num_layers=layers), "torch": lambda _: module(x)}
+    backward = getattr(nvdnn, f"{mode}_backward")
+    x_grad = x.detach().requires_grad_()
+    grad_y = torch.randn(x.shape[:2] + (module.hidden_size,), device="cuda", dtype=x.dtype)
+
+    def nvdnn_step(_):
+        reserve = forward(x, None, weights, num_layers=layers, training=True)[-1]
+        return backward(grad_y, None, x, None, weights, num_layers=layers, reserve=reserve)
+
+    def torch_step(_):
+        return torch.autograd.grad(module(x_grad)[0], [x_grad, *module._flat_weights], grad_y)
+
+    return {"nvdnn": nvdnn_step, "torch": torch_step}
+
+
+def run(torch, nvdnn, mode: str, hidden: int, batch: int, steps: int, layers: int, train: bool) -> dict:
     torch.manual_seed(0)
     module = getattr(torch.nn, mode.upper())(hidden, hidden, num_layers=layers).cuda().half()
     x = torch.randn(steps, batch, hidden, device="cuda", dtype=torch.half)
-    weights = [w.detach() for w in module._flat_weights]
-    row = {"config": f"{mode}.h{hidden}.b{batch}.t{steps}.l{layers}"}
-    fns = {"nvdnn": lambda _: getattr(nvdnn, mode)(x, None, weights, num_layers=layers),
-           "torch": lambda _: module(x)}
-    with torch.no_grad():
+    row = {"config": f"{mode}.h{hidden}.b{batch}.t{steps}.l{layers}" + (".train" if train else "")}
+    fns = _calls(torch, nvdnn, mode, module, x, layers, train)
+    with torch.no_grad() if not train else contextlib.nullcontext():
         for label, fn in fns.items():
             calls = 3 if steps * layers > 512 else 10
             us = kernel_us(torch, fn, calls=calls)
@@ -51,21 +74,25 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="128 steps, 1 layer only")
     parser.add_argument("--gru", action="store_true", help="nn.GRU instead of nn.LSTM")
+    parser.add_argument("--train", action="store_true", help="a training step: forward and backward")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_rnn compares against PyTorch's nn.LSTM / nn.GRU: install torch with CUDA")
+    if args.train:  # the training forward and backward wait behind the setting until they have run on a GPU
+        os.environ.setdefault("NVDNN_UNMEASURED", "1")
     import nvdnn
     mode = "gru" if args.gru else "lstm"
     grid = itertools.product(HIDDEN, BATCH, STEPS[:1] if args.quick else STEPS, LAYERS[:1] if args.quick else LAYERS)
     rows = []
     for hidden, batch, steps, layers in grid:
-        rows.append(run(torch, nvdnn, mode, hidden, batch, steps, layers))
+        rows.append(run(torch, nvdnn, mode, hidden, batch, steps, layers, args.train))
         print(rows[-1], flush=True)
     ranked = sorted(rows, key=lambda r: r["vs torch"])
     print(table(ranked, ["config", "nvdnn us", "torch us", "nvdnn us/step", "torch us/step", "vs torch",
                          "nvdnn call us", "torch call us", "err"]))
     ratios = [r["vs torch"] for r in ranked]
-    print(f"geomean PyTorch / nvdnn (kernel time): {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}x, "
+    what = "training step" if args.train else "forward"
+    print(f"geomean PyTorch / nvdnn ({what}, kernel time): {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}x, "
           f"worst {ratios[0]:.3f}x ({ranked[0]['config']}), {device}")
     write_json(args.json, device=device, rows=rows)
 

@@ -14,6 +14,7 @@ from .functional_attention import scaled_dot_product_attention
 from .functional_attention_backward import scaled_dot_product_attention_backward
 from .functional_attention_decode import decode_attention
 from .functional_rnn import gru, lstm
+from .functional_rnn_backward import gru_backward, lstm_backward
 from .functional_anchors import (amax, avg_pool2d, avg_pool2d_backward, batch_norm, batch_norm_backward,
                                  cross_entropy, global_avg_pool2d, group_norm, instance_norm, layer_norm,
                                  layer_norm_backward, log_softmax, log_softmax_backward, max, max_pool2d,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays, dtypes
-from .errors import DeviceError, DTypeError, ValidationError
+from .errors import DeviceError, DTypeError, UnsupportedError, ValidationError
 from .graph.anchors import ANCHORS, Meta
 from .graph.ops import SCHEMAS
 from .graph.rules import FLAG, SCALAR, check_dims, check_extent
@@ -275,6 +275,14 @@ def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtyp
     if out is not None and tuple(describe(out, "out", typed=False).shape) != shape:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {shape}", arg="out")
     result_dtype(dtype, tuple(dtypes.BY_NAME))
+
+
+def unmeasured(where: str, what: str, arg: str) -> None:
+    """Refuse a kernel that has not yet been checked on a GPU, unless NVDNN_UNMEASURED=1."""
+    from . import config
+    if not config.get("NVDNN_UNMEASURED"):
+        raise UnsupportedError(f"{arg}: {where}'s {what} is written but not yet measured against the float64 "
+                               "reference on a GPU; set NVDNN_UNMEASURED=1 to use it", arg=arg)
 
 
 def device() -> int:

@@ -5,19 +5,22 @@ applies the gates and updates the state in place; with ``proj_size`` a third GEM
 PyTorch's parameter layout (rnn_params) and meanings; nvdnn.reference has the float64 ones.
 
 A call's launches (the GEMMs are nested public calls) are recorded as one: a repeat replays
-them all, no Python per step. Intermediates live in scratch the recording knows.
+them all, no Python per step. Intermediates live in scratch the recording knows. A training
+forward (``training=True``) runs the cell kernel's train variant, which also fills the tape of
+nvdnn/rnn_tape.py; functional_rnn_backward has the backward.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, callsite, dtypes, launcher
+from . import arrays, callsite, dtypes, launcher, rnn_tape, runtime
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import cast
 from .functional_attention import device_vector
 from .functional_matmul import matmul
 from .kernels import rnn as family
+from .kernels import rnn_persistent
 from .rnn_params import KEYS, parse_params
 
 _NULL = np.uint64(0)
@@ -36,27 +39,13 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
     if x.dtype not in family.DTYPES or x.dtype != kind:
         raise DTypeError(f"input: data type {x.dtype}; needs the weights' {kind}, one of {', '.join(family.DTYPES)}",
                          arg="input")
+    batch_first = checks.flag(batch_first, mode, "batch_first")
     steps, batch = (x.shape[0], 1) if len(x.shape) == 2 else (x.shape[1], x.shape[0]) if batch_first \
         else x.shape[:2]
     if steps == 0 or batch == 0:
         raise ValidationError(f"input: shape {x.shape}; needs at least one step and one sequence", arg="input")
     family.check_units(batch, layout.hidden_size)
-    states = layout.num_layers * layout.directions
-    unbatched = len(x.shape) == 2
-    wants = {"h0": (states, batch, layout.out_size), "c0": (states, batch, layout.hidden_size)}
-    if mode == "lstm" and hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
-        raise ValidationError("hx: an LSTM's initial state is a pair (h0, c0), or None for zeros", arg="hx")
-    given = dict(zip(("h0", "c0"), hx)) if mode == "lstm" and hx is not None else {"h0": hx}
-    for role, value in given.items():
-        if value is None:
-            continue
-        meta = checks.describe(value, role)
-        want = wants[role][:1] + wants[role][2:] if unbatched else wants[role]
-        if meta.shape != want:
-            raise ValidationError(f"{role}: shape {meta.shape}; needs {want} (layers * directions, batch, "
-                                  f"{'proj_size or hidden' if role == 'h0' else 'hidden'})", arg=role)
-        if meta.dtype != kind:
-            raise DTypeError(f"{role}: data type {meta.dtype}; needs the input's {kind}", arg=role)
+    _check_states(mode, hx, ("hx", "h0", "c0"), layout, batch, len(x.shape) == 2, kind)
     if lengths is not None:
         _check_lengths(lengths, batch, steps)
         if layout.proj_size:
@@ -68,6 +57,29 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
         raise UnsupportedError("dropout: between-layer dropout has no GPU kernel yet; nvdnn.reference takes its "
                                "masks", arg="dropout")
     return layout, weights, steps, batch
+
+
+def _check_states(mode, hx, names: tuple, layout, batch: int, unbatched: bool, kind: str) -> None:
+    """An LSTM's pair (h, c) or a GRU's h, either None for zeros, each (layers * directions,
+    batch, size) in the input's type: the initial states (``names`` ("hx", "h0", "c0")) and the
+    backward's gradients of the final ones alike."""
+    group, h_name, c_name = names
+    states = layout.num_layers * layout.directions
+    wants = {h_name: (states, batch, layout.out_size), c_name: (states, batch, layout.hidden_size)}
+    if mode == "lstm" and hx is not None and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
+        raise ValidationError(f"{group}: an LSTM's state is a pair ({h_name}, {c_name}), or None for zeros",
+                              arg=group)
+    given = dict(zip((h_name, c_name), hx)) if mode == "lstm" and hx is not None else {h_name: hx}
+    for role, value in given.items():
+        if value is None:
+            continue
+        meta = checks.describe(value, role)
+        want = wants[role][:1] + wants[role][2:] if unbatched else wants[role]
+        if meta.shape != want:
+            raise ValidationError(f"{role}: shape {meta.shape}; needs {want} (layers * directions, batch, "
+                                  f"{'proj_size or hidden' if role == h_name else 'hidden'})", arg=role)
+        if meta.dtype != kind:
+            raise DTypeError(f"{role}: data type {meta.dtype}; needs the input's {kind}", arg=role)
 
 
 def _check_lengths(lengths, batch: int, steps: int) -> None:
@@ -91,13 +103,16 @@ def _scratch(cp, shape, kind):
 
 
 def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout,
-         dropout_masks, stream):
+         dropout_masks, training=False, stream):
     if dropout_masks is not None:
         raise UnsupportedError("dropout_masks: the GPU path draws no between-layer dropout yet; nvdnn.reference "
                                "takes the masks", arg="dropout_masks")
     layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
                                            lengths, dropout)
+    training = rnn_tape.trains(training, layout, mode)
     checks.device()
+    if training:
+        checks.unmeasured(f"nvdnn.{mode}", "training forward (the tape for its backward)", "training")
     cp = arrays.cupy()
     h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
     given = {"input": input, "h0": h0, "c0": c0}
@@ -122,17 +137,27 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     y = cp.empty(y_shape, dtype=x.dtype)
     h_n = cp.empty((layout.num_layers * dirs, batch, out), dtype=x.dtype)
     c_n = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
+    tape = rnn_tape.allocate(cp, layout, y_shape, kind) if training else None  # (gates, h_prev, outputs)
     at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
     layer_in = x
     for layer in range(layout.num_layers):
-        y_layer = y if layer == layout.num_layers - 1 else _scratch(cp, y_shape, kind)
+        y_layer = y if layer == layout.num_layers - 1 else tape[2][layer] if tape else _scratch(cp, y_shape, kind)
         rows = layer_in.reshape(-1, layer_in.shape[-1])  # packed (T, B, F) or (B, T, F): a view
         for d in range(dirs):
             w = {name: xs.get(f"{name}.{layer}.{d}") for name in KEYS}
             state = layer * dirs + d
-            xg = _scratch(cp, (rows.shape[0], gates * hidden), "float32")
+            xg = tape[0][layer, d][:, :gates * hidden] if tape else _scratch(cp, (rows.shape[0], gates * hidden),
+                                                                            "float32")
             matmul(rows, w["w_ih"].T, bias=w["b_ih"], dtype="float32", out=xg, stream=stream)
             xg_steps = xg.reshape(y_shape[:2] + (gates * hidden,))
+            persistent = None if layout.proj_size else rnn_persistent.choose(
+                mode, kind, batch, hidden, runtime.sm_count(cp.cuda.runtime.getDevice()), tape is not None)
+            if persistent is not None:
+                columns = (Ellipsis, slice(d * out, (d + 1) * out))
+                _recurrence(cp, persistent, xs, w, xg_steps, y_layer[columns], h_n[state],
+                            None if c_n is None else c_n[state], state, d == 1, batch_first, lens,
+                            tape[1][layer][columns] if tape else None, stream)
+                continue
             hg = _scratch(cp, (batch, gates * hidden), "float32")
             c = _scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
             h_full = _scratch(cp, (batch, hidden), kind) if layout.proj_size else None
@@ -146,7 +171,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                 plan = family.plan_cell(mode, kind, batch, hidden, t=t, first=k == 0, last=k == steps - 1,
                                         y_sb=y_t.strides[0] // y_t.itemsize if h_full is None else hidden,
                                         xg_sb=xg_steps.strides[1 if not batch_first else 0] // 4,
-                                        hg_sb=gates * hidden)
+                                        hg_sb=gates * hidden, train=tape is not None)
                 target = h_full if h_full is not None else h_n[state]
                 launcher.run(plan, {
                     "y": h_full if h_full is not None else y_t, "h": target, "c": c if c is not None else _NULL,
@@ -154,7 +179,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     "hg": hg if previous is not None else _NULL,
                     "hb": w["b_hh"] if previous is None and w["b_hh"] is not None else _NULL,
                     "h0": _NULL if start is None or layout.proj_size else start,
-                    "c0": xs["c0"][state] if "c0" in xs else _NULL, "lengths": lens if lens is not None else _NULL},
+                    "c0": xs["c0"][state] if "c0" in xs else _NULL, "lengths": lens if lens is not None else _NULL,
+                    "th": at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else _NULL},
                     stream=stream)
                 if h_full is not None:
                     matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
@@ -166,15 +192,42 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
         layer_in = y_layer
     if unbatched:
         y, h_n, c_n = y[:, 0], h_n[:, 0], None if c_n is None else c_n[:, 0]
+    if back is not None:
+        y, h_n, c_n = back(y), back(h_n), None if c_n is None else back(c_n)
     results = (y, h_n) if c_n is None else (y, (h_n, c_n))
-    if back is None:
-        return results
-    return (back(y), back(h_n)) if c_n is None else (back(y), (back(h_n), back(c_n)))
+    return results if tape is None else results + (tape,)
 
 
-@callsite.fast
+def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batch_first, lens, th, stream):
+    """A direction's every step in one persistent launch (kernels/rnn_persistent.py); ``th``: the
+    training tape's h_prev columns of the direction (the gates go over xg's rows)."""
+    time_dim = 1 if batch_first else 0
+    steps, batch, hidden = xg_steps.shape[time_dim], xg_steps.shape[1 - time_dim], h_n.shape[-1]
+    w_hh = w["w_hh"] if w["w_hh"].flags.c_contiguous else cp.ascontiguousarray(w["w_hh"])
+    plan = rnn_persistent.plan(spec, batch, hidden, steps, reverse=reverse,
+                               y_st=y_dir.strides[time_dim] // y_dir.itemsize,
+                               y_sb=y_dir.strides[1 - time_dim] // y_dir.itemsize,
+                               xg_st=xg_steps.strides[time_dim] // 4, xg_sb=xg_steps.strides[1 - time_dim] // 4)
+    h_buf = _scratch(cp, rnn_persistent.h_buf_shape(batch, hidden), spec.dtype)
+    launcher.run(plan, {
+        "y": y_dir, "h_n": h_n, "c_n": c_n if c_n is not None else _NULL, "h_buf": h_buf, "xg": xg_steps,
+        "w_hh": w_hh, "b_hh": w["b_hh"] if w["b_hh"] is not None else _NULL,
+        "h0": xs["h0"][state] if "h0" in xs else _NULL, "c0": xs["c0"][state] if "c0" in xs else _NULL,
+        "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
+
+
+_forward = callsite.fast(_run)  # lstm and gru wrap it: a Reserve is no array a replay could make
+
+
+def _with_reserve(mode, result, input, lengths, num_layers, bidirectional, batch_first, bias) -> tuple:
+    """A training forward's results, its tape (their last) in a Reserve."""
+    *results, tape = result
+    options = dict(num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias)
+    return (*results, rnn_tape.Reserve(mode, options, tuple(input.shape), lengths, tape))
+
+
 def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-         dropout=0.0, dropout_masks=None, stream=None):
+         dropout=0.0, dropout_masks=None, training=False, stream=None):
     """``(output, (h_n, c_n))`` of a multi-layer LSTM, ``torch.nn.LSTM``'s meanings.
 
     input (T, B, input_size) (``batch_first``: (B, T, ...); unbatched (T, input_size)), float32,
@@ -186,17 +239,25 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` between layers and
     ``dropout_masks`` (the reference's) raise an UnsupportedError for now. A repeat call replays
     the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
+    ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)
+    holds what ``nvdnn.lstm_backward(..., reserve=reserve)`` needs, so it recomputes nothing.
     """
-    return _run("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks,
-                stream=stream)
+    result = _forward("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+                      batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout,
+                      dropout_masks=dropout_masks, training=training, stream=stream)
+    if not training:
+        return result
+    return _with_reserve("lstm", result, input, lengths, num_layers, bidirectional, batch_first, bias)
 
 
-@callsite.fast
 def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-        dropout=0.0, dropout_masks=None, stream=None):
+        dropout=0.0, dropout_masks=None, training=False, stream=None):
     """``(output, h_n)`` of a multi-layer GRU, ``torch.nn.GRU``'s meanings (gates r, z, n); the
-    arguments are lstm's, ``hx`` h0 alone."""
-    return _run("gru", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks,
-                stream=stream)
+    arguments are lstm's, ``hx`` h0 alone; ``training=True`` returns ``(output, h_n, reserve)``
+    for ``nvdnn.gru_backward``."""
+    result = _forward("gru", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+                      batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout,
+                      dropout_masks=dropout_masks, training=training, stream=stream)
+    if not training:
+        return result
+    return _with_reserve("gru", result, input, lengths, num_layers, bidirectional, batch_first, bias)

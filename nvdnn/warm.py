@@ -15,7 +15,7 @@ from . import compiler
 from .cache import KernelCache
 from .errors import NvdnnError, ValidationError
 from .kernels import (attention, attention_backward, attention_decode, conv, conv_backward, matmul, norm, pointwise,
-                      pool, reduce, rnn)
+                      pool, reduce, rnn, rnn_persistent)
 from .spec import KernelSpec
 
 PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
@@ -29,7 +29,9 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "attention": attention.preset,  # fused SDPA forward, fp16 / bf16, head dims 64 / 128 / 256, causal or not
     "attention_backward": attention_backward.preset,  # its backward (dQ, dK, dV), head dims 64 / 128
     "attention_decode": attention_decode.preset,  # decoding against contiguous or paged KV caches, sm_80 and later
-    "rnn": rnn.preset,         # the LSTM / GRU cell kernels in every type (their GEMMs: the matmul preset's)
+    # the LSTM / GRU cell kernels in every type (inference, training forward, backward) and the persistent
+    # recurrences (their GEMMs: the matmul preset's)
+    "rnn": lambda: rnn.preset() + rnn_persistent.preset(),
 }
 
 

@@ -15,7 +15,7 @@ from nvdnn.kernels import pointwise
 
 # Settings that change what the cache does; a developer's shell may have any of them set.
 _BEHAVIOUR_SETTINGS = ("NVDNN_CACHE_DIR", "NVDNN_NO_COMPILE", "NVDNN_RECORD", "NVDNN_DUMP_SOURCE",
-                       "NVDNN_LOG_LEVEL", "NVDNN_PLAN_KEY_FILE")
+                       "NVDNN_LOG_LEVEL", "NVDNN_PLAN_KEY_FILE", "NVDNN_UNMEASURED")
 
 
 # -- isolation from the user's environment ----------------------------------------------------------

@@ -14,6 +14,13 @@ from .test_rnn import module_weights
 pytestmark = requires_gpu
 
 
+@pytest.fixture(autouse=True)
+def unmeasured(monkeypatch):
+    """What waits behind NVDNN_UNMEASURED (the persistent kernel's W in registers, the training
+    forward and backward) runs here: these tests are its measurement."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+
+
 # |error| bound on outputs and states in [-1, 1]: the state rounds to the type every step
 TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 CASES = {  # name: (mode, T, B, input, hidden, options)
@@ -30,21 +37,40 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
     "gru_two_layers_bidirectional_lengths": ("gru", 5, 4, 6, 16, dict(num_layers=2, bidirectional=True,
                                                                       lengths=[5, 2, 1, 0])),
     "gru_batch_first_no_bias": ("gru", 3, 2, 8, 24, dict(batch_first=True, bias=False)),
+    # the persistent kernel's own edges: every tile of a 64-batch, H a multiple of 8 but not 16, a
+    # batch of 33 over 300 steps both ways (the grid barrier's counters back at zero between launches)
+    "lstm_hidden_1024_batch_64": ("lstm", 24, 64, 32, 1024, {}),
+    "gru_hidden_1000_lengths": ("gru", 40, 5, 16, 1000, dict(lengths=[40, 17, 1, 0, 39])),
+    "lstm_300_steps_batch_33_bidirectional": ("lstm", 300, 33, 8, 256, dict(bidirectional=True, batch_first=True)),
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def per_step_path(monkeypatch):
+    """fp16 / bf16 layers off the persistent kernel, onto the per-step path (and replays recorded
+    here kept apart from the other tests')."""
+    from nvdnn import callsite
+    from nvdnn.kernels import rnn_persistent
+    monkeypatch.setattr(rnn_persistent, "choose", lambda *args: None)
+    monkeypatch.setattr(callsite, "_REPLAYS", {})
+
+
+@pytest.mark.parametrize("dtype,path", [("float32", "per_step"), ("float16", "persistent"), ("float16", "per_step"),
+                                        ("bfloat16", "persistent"), ("bfloat16", "per_step")])
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("with_state", [False, True])
-def test_rnn_matches_float64(name, dtype, with_state):
+def test_rnn_matches_float64(name, dtype, path, with_state, monkeypatch):
     import cupy
 
     import nvdnn
+    if path == "per_step":
+        per_step_path(monkeypatch)
     mode, steps, batch, input_size, hidden, options = CASES[name]
     options = dict(options)
     proj = options.pop("proj_size", 0)
     rng = np.random.default_rng()
     host = module_weights(mode, input_size, hidden, dict(options, proj_size=proj), host_dtype(dtype), rng)
+    if hidden >= 256:  # nn.LSTM's own scale, U(-1/sqrt(H), 1/sqrt(H)): wide layers stay off chaos
+        host = [(p.astype(np.float32) * (2 / hidden ** 0.5)).astype(p.dtype) for p in host]
     shape = (steps, input_size) if batch is None else (batch, steps, input_size) if options.get("batch_first") \
         else (steps, batch, input_size)
     x = rng.uniform(-1, 1, shape).astype(host_dtype(dtype))

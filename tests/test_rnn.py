@@ -79,17 +79,24 @@ def module_weights(mode, input_size, hidden, options, dtype, rng) -> list:
     return [rng.uniform(-0.5, 0.5, shape).astype(dtype) for shape in shapes]
 
 
+def rows_of(x, batch: int, stride: int, width: int):
+    """``batch`` rows of ``width`` from array ``x``'s first element, ``stride`` elements apart: how a
+    kernel reads its pointer argument."""
+    return np.lib.stride_tricks.as_strided(x, (batch, width), (stride * x.itemsize, x.itemsize))
+
+
 def _cell(plan, tensors, stream=None):
     """templates/rnn/cell.cu.j2 in NumPy, every operand read through the plan's row strides (a
-    wrong stride or pointer in functional_rnn reads the wrong rows)."""
+    wrong stride or pointer in functional_rnn reads the wrong rows); the train variant writes the
+    tape as the kernel does."""
     (launch,) = plan.launches
+    assert launch.pointers == (rnn.TRAIN_POINTERS if launch.spec.train else rnn.POINTERS)
     batch, hidden, t, first, last, y_sb, xg_sb, hg_sb = (int(a) for a in launch.args)
     gates = rnn.MODES[launch.spec.mode]
-    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64)}
+    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64) and role in launch.pointers}
 
     def rows(role, stride, width):
-        x = given[role]
-        return np.lib.stride_tricks.as_strided(x, (batch, width), (stride * x.itemsize, x.itemsize))
+        return rows_of(given[role], batch, stride, width)
     pre = rows("xg", xg_sb, gates * hidden).astype(np.float64).reshape(batch, gates, hidden)
     rec = (rows("hg", hg_sb, gates * hidden) if "hg" in given
            else np.broadcast_to(given.get("hb", np.zeros(gates * hidden)), (batch, gates * hidden)))
@@ -99,9 +106,12 @@ def _cell(plan, tensors, stream=None):
     h_prev = h_prev.astype(np.float64)
     active = (t < given["lengths"] if "lengths" in given else np.ones(batch, bool))[:, None]
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    if launch.spec.train:
+        rows("th", y_sb, hidden)[...] = h_prev
     if launch.spec.mode == "lstm":
         c_prev = ((given["c0"] if "c0" in given else np.zeros_like(state)) if first else state).astype(np.float64)
         a = pre + rec
+        taped = (sig(a[:, 0]), sig(a[:, 1]), np.tanh(a[:, 2]), sig(a[:, 3]), c_prev)
         c_new = np.where(active, sig(a[:, 1]) * c_prev + sig(a[:, 0]) * np.tanh(a[:, 2]), c_prev)
         h_new = np.where(active, sig(a[:, 3]) * np.tanh(c_new), h_prev)
         state[...] = np.where(active | bool(first), c_new, state)
@@ -110,14 +120,58 @@ def _cell(plan, tensors, stream=None):
     else:
         z = sig(pre[:, 1] + rec[:, 1])
         n = np.tanh(pre[:, 2] + sig(pre[:, 0] + rec[:, 0]) * rec[:, 2])
+        taped = (sig(pre[:, 0] + rec[:, 0]), z, n, rec[:, 2])
         h_new = np.where(active, (1 - z) * n + z * h_prev, h_prev)
+    if launch.spec.train:  # over the xg row, the active sequences' only
+        tape = rows("xg", xg_sb, len(taped) * hidden).reshape(batch, len(taped), hidden)
+        tape[...] = np.where(active[:, None], np.stack(taped, axis=1), tape)
     h_io = h_new.astype(h.dtype)
     h[...] = np.where(active | bool(first), h_io, h)
     rows("y", y_sb, hidden)[...] = np.where(active, h_io, 0)
 
 
-def _host_matmul(a, b, bias=None, dtype=None, out=None, stream=None):
-    out[...] = a.astype(np.float64) @ b.astype(np.float64) + (0 if bias is None else bias.astype(np.float64))
+def host_matmul(a, b, bias=None, *, residual=None, dtype=None, out=None, stream=None):
+    """nvdnn.matmul in float64 (NumPy arrays), its result rounded to ``dtype`` (default a's) or
+    written into ``out``."""
+    y = a.astype(np.float64) @ b.astype(np.float64)
+    y += 0 if bias is None else bias.astype(np.float64)
+    y += 0 if residual is None else residual.astype(np.float64)
+    if out is None:
+        return y.astype(a.dtype if dtype is None else dtype)
+    out[...] = y
+    return out
+
+
+def host_device(monkeypatch):
+    """NumPy in place of the device under functional_rnn: arrays stay NumPy arrays, matmul is
+    host_matmul, the cell kernels are _cell, scratch goes unrecorded, and the persistent
+    recurrence is never chosen (the per-step path is what runs here)."""
+    import types
+
+    from nvdnn import arrays, callsite, functional_rnn
+    monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
+    monkeypatch.setattr(arrays, "cupy", lambda: types.SimpleNamespace(
+        empty=np.empty, ascontiguousarray=np.ascontiguousarray, asarray=np.asarray, ndarray=np.ndarray,
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))))
+    monkeypatch.setattr(arrays, "all_to_device", lambda values: ({r: v for r, v in values.items() if v is not None},
+                                                                 None))
+    monkeypatch.setattr(callsite, "note_scratch", lambda buffer: None)
+    monkeypatch.setattr(functional_rnn.runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(functional_rnn.rnn_persistent, "choose", lambda *args: None)
+    monkeypatch.setattr(functional_rnn, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
+    monkeypatch.setattr(functional_rnn, "matmul", host_matmul)
+    monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
+    monkeypatch.setattr(functional_rnn.launcher, "run", _cell)
+
+
+def full_path(mode, *args, **options):
+    """functional_rnn's recorded call of ``mode`` without a recording, lstm's defaults filled in."""
+    import inspect
+
+    from nvdnn import functional_rnn
+    defaults = {name: p.default for name, p in inspect.signature(functional_rnn.lstm).parameters.items()
+                if p.default is not p.empty}
+    return functional_rnn._forward.full_path(mode, *args, **{**defaults, **options})
 
 
 @pytest.mark.parametrize("mode,steps,batch,hidden,options", [
@@ -134,9 +188,6 @@ def test_the_per_step_orchestration_matches_the_reference(mode, steps, batch, hi
     """functional_rnn's own loop -- GEMM operands, strides, the steps' order, first / last steps,
     states, lengths, projections, layer inputs -- with NumPy GEMMs and the cell kernel in NumPy,
     against nvdnn.reference: what the GPU tests check with the real kernels, on every CI run."""
-    import types
-
-    from nvdnn import arrays, callsite, functional_rnn
     inputs, rng = 5, np.random.default_rng(3)
     params = module_weights(mode, inputs, hidden, options, np.float32, rng)
     options = dict(options)
@@ -150,17 +201,8 @@ def test_the_per_step_orchestration_matches_the_reference(mode, steps, batch, hi
     if with_state:
         h0, c0 = (rng.uniform(-1, 1, lead + (n,)).astype(np.float32) for n in (out, hidden))
         hx = (h0, c0) if mode == "lstm" else h0
-    monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
-    monkeypatch.setattr(arrays, "cupy", lambda: types.SimpleNamespace(
-        empty=np.empty, ascontiguousarray=np.ascontiguousarray, asarray=np.asarray, ndarray=np.ndarray))
-    monkeypatch.setattr(arrays, "all_to_device", lambda values: ({r: v for r, v in values.items() if v is not None},
-                                                                 None))
-    monkeypatch.setattr(callsite, "note_scratch", lambda buffer: None)
-    monkeypatch.setattr(functional_rnn, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
-    monkeypatch.setattr(functional_rnn, "matmul", _host_matmul)
-    monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
-    monkeypatch.setattr(functional_rnn.launcher, "run", _cell)
-    got = getattr(functional_rnn, mode).full_path(x, hx, params, **options)
+    host_device(monkeypatch)
+    got = full_path(mode, x, hx, params, **options)
     want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
     flat = (lambda r: (r[0], *r[1])) if mode == "lstm" else (lambda r: r)
     for what, g, w in zip(("output", "h_n", "c_n"), flat(got), flat(want)):

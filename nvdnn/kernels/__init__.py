@@ -36,7 +36,7 @@ class Plan(NamedTuple):
     scratch: tuple = ()
 
 
-FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv", "attention", "attention_decode", "rnn")
+FAMILIES = ("pointwise", "norm", "reduce", "pool", "matmul", "conv", "attention", "attention_decode", "rnn", "rnn_persistent")
 
 
 def family(name: str):

@@ -1,13 +1,23 @@
-"""Recurrent cells (LSTM, GRU): the step kernel of the per-step path. A layer's input projection
-of every time step is one GEMM on the matmul core and each step's recurrent product another (the
-functional layer plans both); this kernel applies the gates to their float32 sums and updates the
-state (templates/rnn/cell.cu.j2 says how). A persistent kernel holding W_hh across steps, for
-small batches, is still to come.
+"""Recurrent cells (LSTM, GRU): the step kernels of the per-step path, forward and backward. A
+layer's input projection of every time step is one GEMM on the matmul core and each step's
+recurrent product another (the functional layer plans both); the forward kernel applies the
+gates to their float32 sums and updates the state (templates/rnn/cell.cu.j2 says how). A
+persistent kernel holding W_hh across steps, for small batches, is still to come.
 
 Pointers: y (the step's output rows), h (the running state, io type), c (LSTM: float32 state),
-c_out, xg, hg, hb (b_hh), h0, c0, lengths (c, c_out and the last five may be null); then batch,
-hidden, t, first,
-last and the row strides of y, xg and hg.
+c_out, xg, hg, hb (b_hh), h0, c0, lengths (c, c_out and the last five may be null), and for the
+train variant th; then batch, hidden, t, first, last and the row strides of y, xg and hg. The
+train variant (``train=True``, a training forward) also writes the tape the backward reads
+(nvdnn/rnn_tape.py): the activated gates over xg's rows, whose stride leaves room for one more
+block, and h_prev into th, laid out as y (its row stride is y's).
+
+The backward's step kernel (templates/rnn/cell_backward.cu.j2, its own spec) runs the steps last
+to first: from dh and dc it writes the gate gradients and the part of dh_prev that skips W_hh,
+around which the functional layer plans the GEMMs (dh_prev += dgh W_hh per step, then the
+weight gradients and dx over every step at once). Its pointers: dg, dgh (GRU's hh gate
+gradients), dh, dc, dc_out, tape, th, dy, dh_n, dc_n, lengths (those a mode does not use, and
+dh_n, dc_n and lengths, may be null); then batch, hidden, t, first, last and the row strides of
+dy / th, the tape and dg / dgh.
 """
 from __future__ import annotations
 
@@ -17,19 +27,48 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import UnsupportedError
-from ..spec import KernelSpec, one_of
+from ..spec import KernelSpec, one_of, optional_field
 from . import Launch, Plan
 
 MODES = {"lstm": 4, "gru": 3}   # gates a hidden unit has
 DTYPES = ("float32", "float16", "bfloat16")
 THREADS = 256
 POINTERS = ("y", "h", "c", "c_out", "xg", "hg", "hb", "h0", "c0", "lengths")
+TRAIN_POINTERS = POINTERS + ("th",)
+BACKWARD_POINTERS = ("dg", "dgh", "dh", "dc", "dc_out", "tape", "th", "dy", "dh_n", "dc_n", "lengths")
 
 
 @dataclass(frozen=True)
 class RNNCellSpec(KernelSpec):
     family = "rnn"
     template = "rnn/cell.cu.j2"
+    tiles_exact = True
+
+    mode: str
+    dtype: str
+    train: bool = optional_field(False)   # also write the backward's tape
+
+    def validate(self) -> None:
+        one_of(self.mode, tuple(MODES), "mode")
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.train, (False, True), "train")
+
+    @property
+    def uri(self) -> str:
+        return f"rnn/{self.mode}_cell/{dtypes.BY_NAME[self.dtype].short}" + ("/train" if self.train else "")
+
+    @property
+    def entry(self) -> str:
+        return f"nvdnn_{self.mode}_cell"
+
+    def render_context(self) -> dict:
+        return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "mode": self.mode, "train": self.train}
+
+
+@dataclass(frozen=True)
+class RNNCellBackwardSpec(KernelSpec):
+    family = "rnn_backward"
+    template = "rnn/cell_backward.cu.j2"
     tiles_exact = True
 
     mode: str
@@ -41,11 +80,11 @@ class RNNCellSpec(KernelSpec):
 
     @property
     def uri(self) -> str:
-        return f"rnn/{self.mode}_cell/{dtypes.BY_NAME[self.dtype].short}"
+        return f"rnn_backward/{self.mode}_cell/{dtypes.BY_NAME[self.dtype].short}"
 
     @property
     def entry(self) -> str:
-        return f"nvdnn_{self.mode}_cell"
+        return f"nvdnn_{self.mode}_cell_backward"
 
     def render_context(self) -> dict:
         return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "mode": self.mode}
@@ -59,24 +98,36 @@ def check_units(batch: int, hidden: int) -> None:
 
 
 def plan_cell(mode: str, dtype: str, batch: int, hidden: int, *, t: int, first: bool, last: bool, y_sb: int,
-              xg_sb: int, hg_sb: int) -> Plan:
+              xg_sb: int, hg_sb: int, train: bool = False) -> Plan:
     """One step's gate launch for ``batch`` sequences of ``hidden`` units (check_units passed);
-    row strides in elements."""
+    row strides in elements. ``train``: the variant that also writes the tape."""
     threads = batch * hidden
     args = (np.int32(batch), np.int32(hidden), np.int32(t), np.int32(first), np.int32(last),
             np.int64(y_sb), np.int64(xg_sb), np.int64(hg_sb))
-    return Plan((Launch(RNNCellSpec(mode, dtype), (-(-threads // THREADS), 1, 1), (THREADS, 1, 1), 0, POINTERS,
-                        args),))
+    return Plan((Launch(RNNCellSpec(mode, dtype, train), (-(-threads // THREADS), 1, 1), (THREADS, 1, 1), 0,
+                        TRAIN_POINTERS if train else POINTERS, args),))
+
+
+def plan_cell_backward(mode: str, dtype: str, batch: int, hidden: int, *, t: int, first: bool, last: bool,
+                       y_sb: int, tape_sb: int, dg_sb: int) -> Plan:
+    """One backward step's launch (check_units passed); ``first`` / ``last``: the first and last
+    step it takes (the forward's last and first); row strides in elements."""
+    threads = batch * hidden
+    args = (np.int32(batch), np.int32(hidden), np.int32(t), np.int32(first), np.int32(last), np.int64(y_sb),
+            np.int64(tape_sb), np.int64(dg_sb))
+    return Plan((Launch(RNNCellBackwardSpec(mode, dtype), (-(-threads // THREADS), 1, 1), (THREADS, 1, 1), 0,
+                        BACKWARD_POINTERS, args),))
 
 
 def unsupported_reason(spec, arch: str) -> str | None:
     return None
 
 
-def candidates(spec: RNNCellSpec) -> list:
+def candidates(spec) -> list:
     return [spec]
 
 
 def preset() -> list:
-    """Both cells in every type."""
-    return [RNNCellSpec(mode, dtype) for mode in MODES for dtype in DTYPES]
+    """Both cells in every type: inference, training forward and backward."""
+    return [RNNCellSpec(mode, dtype, train) for train in (False, True) for mode in MODES for dtype in DTYPES] + [
+        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES]

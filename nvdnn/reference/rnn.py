@@ -18,7 +18,9 @@ of layer k < num_layers - 1 is multiplied by dropout_masks[k] / (1 - dropout) be
 reads it; a mask is boolean, of that output's time-major shape (T, B, directions * out_size).
 
 The backward is backpropagation through time in float64, replaying the forward's steps; one
-driver runs both cells, which differ only in their step and its derivative.
+driver runs both cells, which differ only in their step and its derivative. As on the GPU, a
+forward with ``training=True`` also returns a reserve (here the float64 output and step tapes)
+that the backward takes instead of running the forward again.
 """
 from __future__ import annotations
 
@@ -287,18 +289,21 @@ def _backward(problem: _Problem, tapes, d_output, d_finals):
 
 # -- the public calls ------------------------------------------------------------------------------------
 
-def _run(mode: str, input, hx, params, options: dict):
-    """(output, final states), each in the caller's layout."""
-    problem = _setup(mode, input, hx, params, **options)
-    output, finals, _ = _forward(problem)
-    return (_caller_layout(output, problem.batched, problem.batch_first),
-            tuple(s if problem.batched else s[:, 0] for s in finals))
-
-
-def _run_backward(mode: str, grad_output, grad_states, input, hx, params, options: dict):
-    """(grad_input, grad initial states, grad_params), each in the caller's layout."""
+def _run(mode: str, input, hx, params, options: dict, training=False):
+    """(output, final states), each in the caller's layout; with ``training`` then the reserve,
+    (the time-major output, the tapes)."""
     problem = _setup(mode, input, hx, params, **options)
     output, finals, tapes = _forward(problem)
+    results = (_caller_layout(output, problem.batched, problem.batch_first),
+               tuple(s if problem.batched else s[:, 0] for s in finals))
+    return results + ((output, tapes),) if training else results
+
+
+def _run_backward(mode: str, grad_output, grad_states, input, hx, params, options: dict, reserve=None):
+    """(grad_input, grad initial states, grad_params), each in the caller's layout; ``reserve``:
+    a training forward's on the same arguments, or None to run that forward here."""
+    problem = _setup(mode, input, hx, params, **options)
+    output, tapes = _forward(problem)[::2] if reserve is None else reserve
     d_output = _f64(grad_output)
     needed = _caller_layout(output, problem.batched, problem.batch_first).shape
     if d_output.shape != needed:
@@ -313,33 +318,36 @@ def _run_backward(mode: str, grad_output, grad_states, input, hx, params, option
 
 
 def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-         dropout=0.0, dropout_masks=None):
+         dropout=0.0, dropout_masks=None, training=False):
     """(output, (h_n, c_n)) of nn.LSTM, as the module docstring says. input (T, B, I), (B, T, I)
     with batch_first, or unbatched (T, I); hx (h0, c0) of (layers * directions, B, out_size) and
-    (..., B, hidden_size), or None for zeros; params as nvdnn.rnn_params.parse_params takes them."""
-    return _run("lstm", input, hx, params, _options(locals()))
+    (..., B, hidden_size), or None for zeros; params as nvdnn.rnn_params.parse_params takes them.
+    ``training=True``: a reserve for lstm_backward comes third."""
+    return _run("lstm", input, hx, params, _options(locals()), training)
 
 
 def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-        dropout=0.0, dropout_masks=None):
+        dropout=0.0, dropout_masks=None, training=False):
     """(output, h_n) of nn.GRU; arguments as lstm's, hx one (layers * directions, B, hidden_size) array or None."""
-    output, (h_n,) = _run("gru", input, hx, params, _options(locals()))
-    return output, h_n
+    output, (h_n,), *reserve = _run("gru", input, hx, params, _options(locals()), training)
+    return (output, h_n, *reserve)
 
 
 def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                  bias=True, lengths=None, dropout=0.0, dropout_masks=None):
+                  bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None):
     """(grad_input, (grad_h0, grad_c0), grad_params) of lstm's output and (h_n, c_n) given their
     gradients: grad_hx (grad_h_n, grad_c_n), either (or the pair) None for zeros. grad_params:
-    float64, in _flat_weights order; grad_h0 / grad_c0 come also for hx None (zeros then)."""
-    return _run_backward("lstm", grad_output, grad_hx, input, hx, params, _options(locals()))
+    float64, in _flat_weights order; grad_h0 / grad_c0 come also for hx None (zeros then).
+    ``reserve``: lstm(..., training=True)'s on the same arguments, or None to run the forward."""
+    return _run_backward("lstm", grad_output, grad_hx, input, hx, params, _options(locals()), reserve)
 
 
 def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                 bias=True, lengths=None, dropout=0.0, dropout_masks=None):
-    """(grad_input, grad_h0, grad_params) of gru's output and h_n (grad_h_n None: zeros)."""
+                 bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None):
+    """(grad_input, grad_h0, grad_params) of gru's output and h_n (grad_h_n None: zeros); ``reserve``
+    as lstm_backward's."""
     grad_input, (grad_h0,), grad_params = _run_backward("gru", grad_output, grad_h_n, input, hx, params,
-                                                        _options(locals()))
+                                                        _options(locals()), reserve)
     return grad_input, grad_h0, grad_params
 
 

@@ -1,0 +1,203 @@
+"""nvdnn.lstm_backward and nvdnn.gru_backward on the GPU: backpropagation through time over the
+tape of a training forward (nvdnn/rnn_tape.py), the per-step path run backwards. Per layer (the
+last first) and direction, per step (the last taken first): the cell-backward kernel
+(kernels/rnn.py) turns dh and dc into the gate gradients dG, in the io type (the GEMMs'
+operands), and the part of dh_prev that skips W_hh; one GEMM adds the rest, dh_prev += dG_hh
+W_hh with float32 sums (the forward's first step's lands in grad_h0). Then over every step at
+once: dW_ih = dG_ih^T X and dW_hh = dG_hh^T H_prev (one GEMM each over T*B rows), db_ih and
+db_hh as column sums of dG (nvdnn.sum), and dx = dG_ih W_ih, the second direction's added in
+the GEMM's epilogue: the gradient of the layer below's output. GRU's hh gate gradients differ
+from the ih ones in n (d_n * r) and take a buffer of their own; an LSTM's are one.
+
+Given no reserve the backward runs the training forward itself first. A call's launches are
+recorded as one; the public functions unwrap the Reserve, since a replay takes arrays, not
+objects.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import arrays, callsite, functional_anchors, functional_rnn, launcher, rnn_tape
+from . import functional_checks as checks
+from .errors import DTypeError, UnsupportedError, ValidationError
+from .functional import cast
+from .functional_attention import device_vector
+from .functional_matmul import matmul
+from .kernels import rnn as family
+from .rnn_params import KEYS
+
+_NULL = np.uint64(0)
+
+
+def _check(mode, grad_output, grad_states, input, hx, params, options: dict, tape) -> tuple:
+    """The forward's rules (functional_rnn._check), a projection refused, the gradients' shapes
+    and types, the reserve's arrays: all before any device work. (layout, weights, T, B, type)."""
+    layout, weights, steps, batch = functional_rnn._check(mode, input, hx, params, **options)
+    rnn_tape.check_backward(layout)
+    x = checks.describe(input, "input")
+    meta = checks.describe(grad_output, "grad_output")
+    want = x.shape[:-1] + (layout.directions * layout.hidden_size,)
+    if meta.shape != want:
+        raise ValidationError(f"grad_output: shape {meta.shape}; needs the output's {want} (the input's, its last "
+                              "dim directions * hidden)", arg="grad_output")
+    if meta.dtype != x.dtype:
+        raise DTypeError(f"grad_output: data type {meta.dtype}; needs the input's {x.dtype}", arg="grad_output")
+    names = ("grad_hx", "grad_h_n", "grad_c_n") if mode == "lstm" else ("grad_h_n", "grad_h_n", "grad_c_n")
+    functional_rnn._check_states(mode, grad_states, names, layout, batch, len(x.shape) == 2, x.dtype)
+    if tape is not None:
+        rnn_tape.check(tape, layout, _output_shape(layout, steps, batch, options["batch_first"] and len(x.shape) == 3),
+                       x.dtype)
+    return layout, weights, steps, batch, x.dtype
+
+
+def _output_shape(layout, steps: int, batch: int, batch_first: bool) -> tuple:
+    """A batched forward's output shape (unbatched input runs as a batch of one, time-major)."""
+    width = layout.directions * layout.hidden_size
+    return (batch, steps, width) if batch_first else (steps, batch, width)
+
+
+def _forward_tape(mode, xs: dict, layout, options: dict, stream) -> tuple:
+    """The tape of the training forward a backward given no reserve runs first; what that forward
+    makes is this call's scratch."""
+    params = [xs[f"{key}.{layer}.{d}"] for layer, d, key, _ in layout.flat_order()]
+    hx = (xs.get("h0"), xs.get("c0")) if mode == "lstm" else xs.get("h0")
+    y, states, tape = functional_rnn._run(mode, xs["input"], hx, params, **options, dropout_masks=None,
+                                          training=True, stream=stream)
+    for made in (y, *(states if mode == "lstm" else (states,)), *tape):
+        if made is not None:
+            callsite.note_scratch(made)
+    return tape
+
+
+def _rows(step) -> int:
+    """The row stride, in elements, of one step's (B, ...) view."""
+    return step.strides[0] // step.itemsize
+
+
+def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_layers, bidirectional, batch_first,
+                  bias, lengths, dropout, dropout_masks, tape, stream):
+    if dropout_masks is not None:
+        raise UnsupportedError("dropout_masks: the GPU path draws no between-layer dropout yet; nvdnn.reference "
+                               "takes the masks", arg="dropout_masks")
+    options = dict(num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias,
+                   lengths=lengths, dropout=dropout)
+    layout, weights, steps, batch, kind = _check(mode, grad_output, grad_states, input, hx, params, options, tape)
+    checks.device()
+    checks.unmeasured(f"nvdnn.{mode}_backward", "GPU backward", "grad_output")
+    cp = arrays.cupy()
+    h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
+    dh_n, dc_n = (grad_states if grad_states is not None else (None, None)) if mode == "lstm" \
+        else (grad_states, None)
+    given = {"grad_output": grad_output, "dh_n": dh_n, "dc_n": dc_n, "input": input, "h0": h0, "c0": c0}
+    given.update((f"{name}.{l}.{d}", w[name]) for l, row in enumerate(weights) for d, w in enumerate(row)
+                 for name in KEYS if w[name] is not None)
+    xs, back = arrays.all_to_device(given)
+    for role in [r for r in ("grad_output", "dh_n", "dc_n", "input") if r in xs]:
+        if not xs[role].flags.c_contiguous:  # the kernels read them packed, the GEMMs as rows
+            callsite.refuse(f"{role} copied to a packed layout")
+            xs[role] = cp.ascontiguousarray(xs[role])
+    if tape is None:
+        tape = _forward_tape(mode, xs, layout, options, stream)
+    x, dy = xs["input"], xs["grad_output"]
+    unbatched = x.ndim == 2
+    if unbatched:
+        x, dy, batch_first = x[:, None], dy[:, None], False
+        xs.update((r, xs[r][:, None]) for r in ("dh_n", "dc_n") if r in xs)
+    dirs, hidden, gates = layout.directions, layout.hidden_size, layout.gates
+    y_shape = _output_shape(layout, steps, batch, batch_first)
+    lens = None if lengths is None else device_vector(
+        cp, np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, np.int32, "lengths")
+    grad_x = cp.empty(x.shape, dtype=x.dtype)
+    grad_h0 = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype)
+    grad_c0 = cp.empty(grad_h0.shape, dtype=x.dtype) if mode == "lstm" else None
+    grads = [[{} for _ in range(dirs)] for _ in range(layout.num_layers)]
+    at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
+    d_out = dy
+    for layer in reversed(range(layout.num_layers)):
+        layer_in = x if layer == 0 else tape[2][layer - 1]
+        rows = layer_in.reshape(-1, layer_in.shape[-1])  # packed (T, B, F) or (B, T, F): a view
+        d_in = grad_x if layer == 0 else functional_rnn._scratch(cp, y_shape, kind)  # the layer below's d output
+        for d in range(dirs):
+            w = {name: xs.get(f"{name}.{layer}.{d}") for name in KEYS}
+            state, cols = layer * dirs + d, slice(d * hidden, (d + 1) * hidden)
+            dg = functional_rnn._scratch(cp, (rows.shape[0], gates * hidden), kind)
+            dgh = dg if mode == "lstm" else functional_rnn._scratch(cp, dg.shape, kind)
+            dg_steps, dgh_steps = (g.reshape(y_shape[:2] + (gates * hidden,)) for g in (dg, dgh))
+            tape_steps = tape[0][layer, d].reshape(y_shape[:2] + (-1,))
+            dh = functional_rnn._scratch(cp, (batch, hidden), "float32")
+            dc = functional_rnn._scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
+            order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the forward's steps, the last first
+            for k, t in enumerate(order):
+                dy_t, tape_t, dg_t, dgh_t = (at_step(a, t) for a in (d_out, tape_steps, dg_steps, dgh_steps))
+                dy_t = dy_t[:, cols]
+                last = k == steps - 1
+                plan = family.plan_cell_backward(mode, kind, batch, hidden, t=t, first=k == 0, last=last,
+                                                 y_sb=_rows(dy_t), tape_sb=_rows(tape_t), dg_sb=_rows(dg_t))
+                launcher.run(plan, {
+                    "dg": dg_t, "dgh": dgh_t if mode == "gru" else _NULL, "dh": dh, "tape": tape_t,
+                    "dc": dc if dc is not None else _NULL, "dc_out": grad_c0[state] if grad_c0 is not None else _NULL,
+                    "th": at_step(tape[1][layer], t)[:, cols] if mode == "gru" else _NULL, "dy": dy_t,
+                    "dh_n": xs["dh_n"][state] if "dh_n" in xs else _NULL,
+                    "dc_n": xs["dc_n"][state] if "dc_n" in xs else _NULL,
+                    "lengths": lens if lens is not None else _NULL}, stream=stream)
+                matmul(dgh_t, w["w_hh"], residual=dh, out=grad_h0[state] if last else dh,
+                       dtype=kind if last else "float32", stream=stream)
+            g = grads[layer][d]
+            g["w_ih"] = matmul(dg.T, rows, dtype=kind, stream=stream)
+            g["w_hh"] = matmul(dgh.T, tape[1][layer].reshape(-1, dirs * hidden)[:, cols], dtype=kind, stream=stream)
+            if layout.bias:
+                g["b_ih"] = functional_anchors.sum(dg, axis=0, dtype=kind, stream=stream)
+                if mode == "gru":
+                    g["b_hh"] = functional_anchors.sum(dgh, axis=0, dtype=kind, stream=stream)
+                else:  # an LSTM's dG_hh is dG_ih: a copy
+                    with stream if stream is not None else contextlib.nullcontext():
+                        g["b_hh"] = cast(g["b_ih"], kind)
+            d_rows = d_in.reshape(-1, d_in.shape[-1])
+            matmul(dg, w["w_ih"], residual=d_rows if d else None, out=d_rows, dtype=kind, stream=stream)
+        d_out = d_in
+    if unbatched:
+        grad_x, grad_h0, grad_c0 = grad_x[:, 0], grad_h0[:, 0], None if grad_c0 is None else grad_c0[:, 0]
+    flat = tuple(grads[layer][d][key] for layer, d, key, _ in layout.flat_order())
+    if back is not None:
+        grad_x, grad_h0, grad_c0 = back(grad_x), back(grad_h0), None if grad_c0 is None else back(grad_c0)
+        flat = tuple(map(back, flat))
+    return grad_x, grad_h0 if grad_c0 is None else (grad_h0, grad_c0), flat
+
+
+_backward = callsite.fast(_run_backward)  # the public functions wrap it: they unwrap the Reserve
+
+
+def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
+                  bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None, stream=None):
+    """``(grad_input, (grad_h0, grad_c0), grad_params)`` of nvdnn.lstm's output and (h_n, c_n)
+    given their gradients: ``grad_output`` (the output's shape and type) and ``grad_hx``
+    (grad_h_n, grad_c_n), either (or the pair) None for zeros; the other arguments are the
+    forward's. grad_params: a list in ``_flat_weights`` order, each in its weight's shape and
+    type (no entries for biases the module lacks), as nvdnn.reference.lstm_backward. ``reserve``:
+    the Reserve of ``nvdnn.lstm(..., training=True)`` on the same arguments, or None to run that
+    forward first. Gradients between steps and layers are float32 sums rounded to the io type
+    where a GEMM reads them (the gate gradients, a layer's dx), as cuDNN's are. No projection
+    (proj_size) yet; between-layer dropout as the forward."""
+    tape = rnn_tape.tape_of(reserve, "lstm", input, lengths, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias))
+    grad_input, grad_states, grad_params = _backward(
+        "lstm", grad_output, grad_hx, input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+        batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks, tape=tape,
+        stream=stream)
+    return grad_input, grad_states, list(grad_params)
+
+
+def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
+                 bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None, stream=None):
+    """``(grad_input, grad_h0, grad_params)`` of nvdnn.gru's output and h_n given their gradients
+    (``grad_h_n`` None: zeros); the rest as lstm_backward, ``reserve`` from
+    ``nvdnn.gru(..., training=True)``."""
+    tape = rnn_tape.tape_of(reserve, "gru", input, lengths, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias))
+    grad_input, grad_h0, grad_params = _backward(
+        "gru", grad_output, grad_h_n, input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
+        batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks, tape=tape,
+        stream=stream)
+    return grad_input, grad_h0, list(grad_params)

@@ -1,0 +1,263 @@
+"""nvdnn.lstm_backward / nvdnn.gru_backward and the training forward without a GPU: the kernels'
+specs (their builds are test_rnn's, every preset spec), every argument rule raised before any
+device work, and the backward's orchestration run for real with NumPy standing in for the device
+(the cell kernels and the GEMMs in NumPy, every operand read through the plans' strides, fresh
+buffers NaN-filled), against nvdnn.reference's float64 backward."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import nvdnn
+from nvdnn import codegen, dtypes, functional_anchors, functional_rnn, functional_rnn_backward, rnn_tape
+from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
+from nvdnn.kernels import rnn
+
+from .test_rnn import _cell, host_device, host_matmul, module_weights, rows_of
+
+
+@pytest.fixture(autouse=True)
+def measured_or_not(monkeypatch):
+    """The training forward and the backward wait behind NVDNN_UNMEASURED until they run on a GPU."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
+
+
+def test_the_inference_kernels_keep_their_keys():
+    """The train variant is an optional field: the inference kernels' source and digest stay."""
+    for mode in rnn.MODES:
+        plain, train = rnn.RNNCellSpec(mode, "float16"), rnn.RNNCellSpec(mode, "float16", True)
+        assert "train" not in plain.to_dict()["fields"] and plain.uri == f"rnn/{mode}_cell/f16"
+        assert " th," not in codegen.render(plain) and " th," in codegen.render(train)
+        assert train.uri.endswith("/train") and train.digest != plain.digest
+    assert {type(s) for s in rnn.preset()} == {rnn.RNNCellSpec, rnn.RNNCellBackwardSpec}
+
+
+def test_a_backward_step_plan_is_one_launch_over_every_unit():
+    plan = rnn.plan_cell_backward("lstm", "bfloat16", 2, 129, t=0, first=False, last=True, y_sb=258, tape_sb=645,
+                                  dg_sb=516)
+    (launch,) = plan.launches
+    assert launch.spec.uri == "rnn_backward/lstm_cell/bf16" and launch.grid == (2, 1, 1)
+    assert launch.pointers == rnn.BACKWARD_POINTERS and [int(a) for a in launch.args] == [2, 129, 0, 0, 1, 258, 645,
+                                                                                            516]
+
+
+# -- arguments ---------------------------------------------------------------------------------------
+
+H, I, T, B = 7, 5, 3, 2
+
+
+def _params(mode="lstm", hidden=H, **options):
+    return module_weights(mode, I, hidden, options, np.float32, np.random.default_rng(0))
+
+
+def _args(mode="lstm", **change):
+    """A good backward call's positional arguments, with ``change`` (by name) applied."""
+    args = dict(grad_output=np.zeros((T, B, H), np.float32), grad_hx=None, input=np.zeros((T, B, I), np.float32),
+                hx=None, params=_params(mode))
+    args.update(change)
+    return tuple(args.values())
+
+
+def _tape(gates=4, hidden=H, layers=1, dtype=np.float32):
+    return (np.zeros((layers, 1, T * B, (gates + 1) * hidden), np.float32), np.zeros((layers, T, B, hidden), dtype),
+            np.zeros((layers - 1, T, B, hidden), dtype) if layers > 1 else None)
+
+
+def _reserve(mode="lstm", tape=None, lengths=None, **options):
+    given = {**dict(num_layers=1, bidirectional=False, batch_first=False, bias=True), **options}
+    return rnn_tape.Reserve(mode, given, (T, B, I), lengths, _tape() if tape is None else tape)
+
+
+@pytest.mark.parametrize("mode,args,kwargs,error,match", [
+    ("lstm", _args(grad_output=np.zeros((T, B, H + 1), np.float32)), {}, ValidationError, r"grad_output: shape"),
+    ("lstm", _args(grad_output=np.zeros((T, B, H), np.float16)), {}, DTypeError, "grad_output: data type float16"),
+    ("lstm", _args(grad_output=np.zeros((T, B, H))), {}, DTypeError, "float64"),
+    ("lstm", _args(grad_hx=np.zeros((1, B, H), np.float32)), {}, ValidationError, r"grad_hx: .*pair"),
+    ("lstm", _args(grad_hx=(None, np.zeros((1, B, H + 1), np.float32))), {}, ValidationError, "grad_c_n: shape"),
+    ("gru", _args("gru", grad_hx=np.zeros((2, B, H), np.float32)), {}, ValidationError, "grad_h_n: shape"),
+    ("lstm", _args(input=np.zeros((T, B, I + 1), np.float32)), {}, ValidationError, "weight_ih_l0"),
+    ("lstm", _args(), dict(lengths=[4, 1]), ValidationError, r"\[0, 3\]"),
+    ("lstm", _args(), dict(dropout_masks=[]), UnsupportedError, "dropout_masks"),
+    ("lstm", _args(), dict(reserve="tape"), ValidationError, "reserve: a str"),
+    ("lstm", _args(), dict(reserve=_reserve("gru")), ValidationError, "made by nvdnn.gru"),
+    ("lstm", _args(), dict(reserve=_reserve(batch_first=True)), ValidationError, "batch_first=True"),
+    ("lstm", _args(input=np.zeros((T + 1, B, I), np.float32)), dict(reserve=_reserve()), ValidationError,
+     r"input of shape \(3, 2, 5\)"),
+    ("lstm", _args(), dict(reserve=_reserve(lengths=[3, 1]), lengths=[3, 2]), ValidationError, r"lengths \[3, 1\]"),
+    ("lstm", _args(), dict(reserve=_reserve(), lengths=[3, 2]), ValidationError, "without lengths"),
+    ("lstm", _args(), dict(reserve=_reserve(tape=_tape(hidden=H + 1))), ValidationError, "gates tape"),
+    ("lstm", _args(), dict(reserve=_reserve(tape=_tape(dtype=np.float16))), ValidationError, "h_prev tape is float16"),
+    ("gru", _args("gru"), dict(reserve=_reserve("gru")), ValidationError, r"gates tape .* \(1, 1, 6, 28\)"),
+])
+def test_bad_arguments_are_named_before_device_work(mode, args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        getattr(nvdnn, f"{mode}_backward")(*args, **kwargs)
+
+
+def test_the_unmeasured_backward_waits_behind_its_setting(monkeypatch):
+    """Past every argument rule and the device check (faked here), before any device work."""
+    monkeypatch.setenv("NVDNN_UNMEASURED", "0")
+    monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
+    x, params = np.zeros((T, B, I), np.float32), _params()
+    with pytest.raises(UnsupportedError, match="training: nvdnn.lstm's training forward .* NVDNN_UNMEASURED=1"):
+        nvdnn.lstm(x, None, params, training=True)
+    with pytest.raises(UnsupportedError, match="grad_output: nvdnn.gru_backward's GPU backward .* NVDNN_UNMEASURED"):
+        nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
+
+
+def test_a_projection_and_bad_training_flags_are_refused():
+    params = _params(hidden=8)
+    params[1] = np.zeros((32, 4), np.float32)
+    params.append(np.zeros((4, 8), np.float32))  # weight_hr: proj_size 4
+    x = np.zeros((T, B, I), np.float32)
+    with pytest.raises(UnsupportedError, match="proj_size"):
+        nvdnn.lstm_backward(np.zeros((T, B, 4), np.float32), None, x, None, params)
+    with pytest.raises(UnsupportedError, match="proj_size"):
+        nvdnn.lstm(x, None, params, training=True)
+    with pytest.raises(ValidationError, match="training"):
+        nvdnn.gru(x, None, _params("gru"), training="yes")
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_the_reference_takes_its_own_reserve(mode):
+    """nvdnn.reference takes nvdnn's arguments: its training forward's reserve spares the
+    backward its forward, and gives what that forward would."""
+    rng = np.random.default_rng(2)
+    params = module_weights(mode, I, H, dict(num_layers=2, bidirectional=True), np.float32, rng)
+    x, grad_y = rng.uniform(-1, 1, (T, B, I)), rng.uniform(-1, 1, (T, B, 2 * H))
+    options = dict(num_layers=2, bidirectional=True, lengths=[3, 1])
+    *forward, reserve = getattr(nvdnn.reference, mode)(x, None, params, training=True, **options)
+    assert len(forward) == 2 and np.array_equal(forward[0], getattr(nvdnn.reference, mode)(x, None, params,
+                                                                                             **options)[0])
+    backward = getattr(nvdnn.reference, f"{mode}_backward")
+    given, recomputed = (backward(grad_y, None, x, None, params, reserve=r, **options) for r in (reserve, None))
+    for g, w in zip((given[0], *given[2]), (recomputed[0], *recomputed[2])):
+        assert np.array_equal(g, w)
+
+
+# -- the backward's orchestration, run with NumPy in place of the device ---------------------------
+
+def _cell_backward(plan, tensors):
+    """templates/rnn/cell_backward.cu.j2 in NumPy, every operand read through the plan's row
+    strides, and only what the kernel reads: the tape of a step past a sequence's length is not."""
+    (launch,) = plan.launches
+    assert launch.pointers == rnn.BACKWARD_POINTERS
+    batch, hidden, t, first, last, y_sb, tape_sb, dg_sb = (int(a) for a in launch.args)
+    mode, gates = launch.spec.mode, rnn.MODES[launch.spec.mode]
+    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64)}
+    active = (t < given["lengths"] if "lengths" in given else np.ones(batch, bool))[:, None]
+    zeros = np.zeros((batch, hidden))
+
+    def start(role, running):
+        return (given[role] if role in given else zeros) if first else given[running]
+    d_h = start("dh_n", "dh").astype(np.float64)
+    d_h = d_h + np.where(active, rows_of(given["dy"], batch, y_sb, hidden), 0)
+    live = np.flatnonzero(active[:, 0])
+    a = np.full((batch, gates + 1, hidden), np.nan)  # a row past the length stays unread
+    a[live] = rows_of(given["tape"], batch, tape_sb, (gates + 1) * hidden)[live].reshape(-1, gates + 1, hidden)
+    with np.errstate(invalid="ignore"):
+        if mode == "lstm":
+            i, f, g, o, c_prev = a.transpose(1, 0, 2)
+            d_c = start("dc_n", "dc").astype(np.float64)
+            tanh_c = np.tanh(f * c_prev + i * g)
+            d_ca = d_c + d_h * o * (1 - tanh_c ** 2)
+            d = [d_ca * g * i * (1 - i), d_ca * c_prev * f * (1 - f), d_ca * i * (1 - g ** 2),
+                 d_h * tanh_c * o * (1 - o)]
+            d_c = np.where(active, d_ca * f, d_c)
+            given["dc"][...] = d_c
+            if last:
+                given["dc_out"][...] = d_c
+            direct = np.where(active, 0, d_h)
+        else:
+            r, z, n, hn = a.transpose(1, 0, 2)
+            h_prev = rows_of(given["th"], batch, y_sb, hidden)
+            d_n = d_h * (1 - z) * (1 - n ** 2)
+            d = [d_n * hn * r * (1 - r), d_h * (h_prev - n) * z * (1 - z), d_n]
+            rows_of(given["dgh"], batch, dg_sb, gates * hidden)[...] = np.where(active, np.concatenate(
+                d[:2] + [d_n * r], axis=1), 0)
+            direct = np.where(active, d_h * z, d_h)
+    rows_of(given["dg"], batch, dg_sb, gates * hidden)[...] = np.where(active, np.concatenate(d, axis=1), 0)
+    given["dh"][...] = direct
+
+
+def _launch(plan, tensors, stream=None):
+    spec = plan.launches[0].spec
+    return (_cell if isinstance(spec, rnn.RNNCellSpec) else _cell_backward)(plan, tensors)
+
+
+def _host_cast(x, kind, *, out=None):
+    if out is None:
+        return np.array(x, dtype=dtypes.BY_NAME[kind].np)
+    out[...] = x
+    return out
+
+
+def _poisoned(shape, dtype=np.float64):
+    """np.empty that reads NaN: a value no launch wrote shows in the results, as on the GPU."""
+    return np.full(shape, np.nan, dtype)
+
+
+@pytest.fixture
+def host(monkeypatch):
+    host_device(monkeypatch)
+    from nvdnn import arrays
+    fake = arrays.cupy()
+    monkeypatch.setattr(arrays, "cupy", lambda: types.SimpleNamespace(**{**vars(fake), "empty": _poisoned}))
+    monkeypatch.setattr(functional_rnn.launcher, "run", _launch)
+    monkeypatch.setattr(functional_rnn_backward, "matmul", host_matmul)
+    monkeypatch.setattr(functional_rnn_backward, "cast", _host_cast)
+    monkeypatch.setattr(functional_rnn_backward, "device_vector",
+                        lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
+    monkeypatch.setattr(functional_anchors, "sum", lambda x, axis, dtype, stream: x.astype(np.float64).sum(axis)
+                        .astype(dtypes.BY_NAME[dtype].np))
+
+
+CASES = [  # mode, T, B (None: unbatched), hidden, options
+    ("lstm", 5, 3, 7, dict(num_layers=2, bidirectional=True)),
+    ("lstm", 4, 3, 8, dict(batch_first=True, lengths=np.array([4, 1, 0]), bidirectional=True)),
+    ("lstm", 5, None, 5, dict(bias=False)),
+    ("lstm", 1, 1, 1, {}),
+    ("gru", 5, 4, 6, dict(num_layers=2, bidirectional=True, lengths=np.array([5, 2, 1, 0]))),
+    ("gru", 3, 2, 9, dict(batch_first=True, bias=False, num_layers=2)),
+]
+
+
+@pytest.mark.parametrize("mode,steps,batch,hidden,options", CASES)
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("with_reserve", [False, True])
+def test_the_backward_orchestration_matches_the_reference(mode, steps, batch, hidden, options, with_state,
+                                                          with_reserve, host):
+    """functional_rnn_backward's own loops -- the tape's views, the steps' order, first / last
+    steps, dh through the GEMM's residual, lengths, both directions' dx into one, the weight GEMMs
+    over every row, layer inputs from the tape -- against nvdnn.reference.lstm_backward /
+    gru_backward, given the training forward's reserve or recomputing it."""
+    inputs, rng = 4, np.random.default_rng(5)
+    params = module_weights(mode, inputs, hidden, options, np.float32, rng)
+    dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
+    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
+    x = rng.uniform(-1, 1, lead + (inputs,)).astype(np.float32)
+    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
+    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
+    hx = grad_hx = None
+    if with_state:
+        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
+        hx, grad_hx = ((h0, c0), (dh_n, None)) if mode == "lstm" else (h0, dh_n)
+    reserve = None
+    if with_reserve:
+        forward = getattr(nvdnn, mode)(x, hx, params, training=True, **options)
+        want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
+        np.testing.assert_allclose(forward[0], want[0], atol=2e-6, err_msg="training forward output")
+        reserve = forward[-1]
+        assert isinstance(reserve, rnn_tape.Reserve) and reserve.mode == mode
+    got = getattr(nvdnn, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, reserve=reserve, **options)
+    want = getattr(nvdnn.reference, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, **options)
+    flat = (lambda r: (r[0], *r[1], *r[2])) if mode == "lstm" else (lambda r: (r[0], r[1], *r[2]))
+    names = ["input", "h0"] + (["c0"] if mode == "lstm" else []) + [name for *_, name in nvdnn.rnn_params.parse_params(
+        mode, params, input_size=inputs, num_layers=layers, bidirectional=dirs == 2,
+        bias=options.get("bias", True))[0].flat_order()]
+    assert isinstance(got[2], list) and len(flat(got)) == len(flat(want)) == len(names)
+    for name, g, w in zip(names, flat(got), flat(want)):
+        assert g.shape == w.shape and g.dtype == np.float32, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad of {name}")
