@@ -13,7 +13,7 @@ import pytest
 import nvdnn
 from nvdnn import codegen, dtypes, functional_anchors, functional_rnn, functional_rnn_backward, rnn_tape
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
-from nvdnn.kernels import rnn
+from nvdnn.kernels import rnn, rnn_persistent
 
 from .test_rnn import _cell, host_device, host_matmul, module_weights, rows_of
 
@@ -261,3 +261,135 @@ def test_the_backward_orchestration_matches_the_reference(mode, steps, batch, hi
     for name, g, w in zip(names, flat(got), flat(want)):
         assert g.shape == w.shape and g.dtype == np.float32, name
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad of {name}")
+
+
+def _mem(x):
+    """(flat root array, element offset of x's first element)."""
+    root = x
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    off = x.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    assert off % x.itemsize == 0
+    flat = np.lib.stride_tricks.as_strided(root, (root.nbytes // x.itemsize,), (x.itemsize,))
+    return flat, off // x.itemsize
+
+
+def _persistent_kernel(plan, tensors):
+    """templates/rnn/persistent.cu.j2 by (unit, sequence) pairs in NumPy, operands read through the
+    launch's strides (the train variant's tape over xg's rows and th too)."""
+    (launch,) = plan.launches
+    spec = launch.spec
+    assert launch.pointers == (rnn_persistent.TRAIN_POINTERS if spec.train else rnn_persistent.POINTERS)
+    batch, hidden, steps, reverse, y_st, y_sb, xg_st, xg_sb = (int(a) for a in launch.args)
+    G = rnn.MODES[spec.mode]
+    given = {r: x for r, x in tensors.items() if not isinstance(x, np.uint64)}
+    assert launch.grid == (-(-hidden // spec.units), 1, 1)
+    assert given["h_buf"].shape == rnn_persistent.h_buf_shape(batch, hidden)
+    b = np.arange(batch)[:, None]
+    j = np.arange(hidden)[None]
+    y, yo = _mem(given["y"])
+    xg, xo = _mem(given["xg"])
+    w = given["w_hh"].astype(np.float64)
+    assert w.shape == (G * hidden, hidden)
+    bias = given["b_hh"].astype(np.float64) if "b_hh" in given else np.zeros(G * hidden)
+    hs = given["h0"].reshape(batch, hidden).astype(np.float64) if "h0" in given else np.zeros((batch, hidden))
+    c = given["c0"].reshape(batch, hidden).astype(np.float64) if "c0" in given else np.zeros((batch, hidden))
+    length = given["lengths"].astype(np.int64)[:, None] if "lengths" in given else np.full((batch, 1), steps)
+    io = given["y"].dtype
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    if spec.train:
+        th, to = _mem(given["th"])
+    for k in range(steps):
+        t = steps - 1 - k if reverse else k
+        active = t < length
+        at = xo + t * xg_st + b * xg_sb + j
+        pre = np.stack([np.where(active, xg[at + g * hidden], 0.0) for g in range(G)])
+        rec = (hs @ w.T + bias).reshape(batch, G, hidden).transpose(1, 0, 2)
+        if spec.train:
+            th[to + t * y_st + b * y_sb + j] = hs
+        if spec.mode == "lstm":
+            tape = [sig(pre[0] + rec[0]), sig(pre[1] + rec[1]), np.tanh(pre[2] + rec[2]), sig(pre[3] + rec[3]), c]
+            c_new = tape[1] * c + tape[0] * tape[2]
+            h_new = tape[3] * np.tanh(c_new)
+        else:
+            r = sig(pre[0] + rec[0])
+            z = sig(pre[1] + rec[1])
+            n = np.tanh(pre[2] + r * rec[2])
+            tape = [r, z, n, rec[2]]
+            h_new = (1 - z) * n + z * hs
+        if spec.train:
+            for g, v in enumerate(tape):
+                idx = (at + g * hidden)[np.broadcast_to(active, at.shape)]
+                xg[idx] = np.broadcast_to(v, at.shape)[np.broadcast_to(active, at.shape)]
+        if spec.mode == "lstm":
+            c = np.where(active, c_new, c)
+        h = np.where(active, h_new, hs).astype(io)
+        y[yo + t * y_st + b * y_sb + j] = np.where(active, h, 0)
+        hs = h.astype(np.float64)
+    given["h_n"][...] = hs.astype(io)
+    if "c_n" in given:
+        given["c_n"][...] = c.astype(io)
+
+
+def _dispatch(plan, tensors, stream=None):
+    """The host fixture's launcher, the persistent kernel's stand-in beside it."""
+    spec = plan.launches[0].spec
+    if isinstance(spec, rnn_persistent.RNNPersistentSpec):
+        _USED.append(spec)
+        return _persistent_kernel(plan, tensors)
+    return _launch(plan, tensors)
+
+
+_CHOOSE = rnn_persistent.choose
+_USED = []  # the persistent specs a call launched
+
+
+@pytest.fixture
+def persistent(host, monkeypatch):
+    """The host fixture with float32 layers on the persistent path (as fp16 ones take it)."""
+    monkeypatch.setattr(rnn_persistent, "choose", lambda mode, dtype, batch, hidden, sms, train=False: _CHOOSE(
+        mode, "float16", batch, hidden, sms, train))
+    monkeypatch.setattr(functional_rnn.launcher, "run", _dispatch)
+    _USED.clear()
+
+
+@pytest.mark.parametrize("mode,steps,batch,hidden,options", CASES + [
+    ("lstm", 3, 5, 33, dict(bidirectional=True, batch_first=True, lengths=np.array([3, 0, 1, 2, 3]))),
+    ("gru", 4, 2, 17, dict(bidirectional=True, num_layers=2))])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("with_reserve", [False, True])
+def test_the_persistent_path_forward_and_backward_match_the_reference(mode, steps, batch, hidden, options,
+                                                                      with_state, with_reserve, persistent):
+    """functional_rnn._recurrence's plumbing (strides, the direction's columns, th, the tape over
+    xg's (G+1)*H rows, reverse, lengths) through the inference and training forwards and the
+    backward, the persistent kernel stood in for by NumPy."""
+    inputs, rng = 4, np.random.default_rng(5)
+    params = module_weights(mode, inputs, hidden, options, np.float32, rng)
+    dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
+    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
+    x = rng.uniform(-1, 1, lead + (inputs,)).astype(np.float32)
+    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
+    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
+    hx = grad_hx = None
+    if with_state:
+        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
+        hx, grad_hx = ((h0, c0), (dh_n, dc_n)) if mode == "lstm" else (h0, dh_n)
+    # inference forward through the persistent path
+    got = getattr(nvdnn, mode)(x, hx, params, **options)
+    want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
+    np.testing.assert_allclose(got[0], want[0], atol=2e-6, err_msg="inference forward")
+    assert _USED and not any(s.train for s in _USED)
+    _USED.clear()
+    reserve = None
+    if with_reserve:
+        forward = getattr(nvdnn, mode)(x, hx, params, training=True, **options)
+        np.testing.assert_allclose(forward[0], want[0], atol=2e-6, err_msg="training forward output")
+        reserve = forward[-1]
+        assert _USED and all(s.train for s in _USED)
+    got = getattr(nvdnn, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, reserve=reserve, **options)
+    assert _USED and all(s.train for s in _USED)
+    wantb = getattr(nvdnn.reference, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, **options)
+    flat = (lambda r: (r[0], *r[1], *r[2])) if mode == "lstm" else (lambda r: (r[0], r[1], *r[2]))
+    for k, (g, w) in enumerate(zip(flat(got), flat(wantb))):
+        assert g.shape == w.shape and g.dtype == np.float32, k
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad {k}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nvdnn import codegen, compiler
+from nvdnn.errors import ValidationError
 from nvdnn.kernels import rnn_persistent as persistent
 
 from .sass import sass_text
@@ -42,6 +43,13 @@ def test_choose_declines_what_does_not_fit(mode, dtype, batch, hidden):
     assert persistent.choose(mode, dtype, batch, hidden, 132) is None
 
 
+def test_a_register_spec_refuses_a_hidden_size_its_warps_cannot_cover():
+    spec = persistent.RNNPersistentSpec("gru", "float16", 4, 2, kreg=4)   # 8 warps x 4 K steps: hidden <= 512
+    assert persistent.plan(spec, 3, 512, 2, reverse=False, y_st=1, y_sb=1, xg_st=1, xg_sb=1).launches
+    with pytest.raises(ValidationError, match="hidden: 513 units give a warp 5 K steps"):
+        persistent.plan(spec, 3, 513, 2, reverse=False, y_st=1, y_sb=1, xg_st=1, xg_sb=1)
+
+
 def test_a_direction_is_one_cooperative_launch_a_block_per_units():
     spec = persistent.choose("lstm", "float16", 5, 1000, 132)
     plan = persistent.plan(spec, 5, 1000, 7, reverse=True, y_st=10, y_sb=2000, xg_st=20, xg_sb=4000)
@@ -60,6 +68,7 @@ def test_a_direction_is_one_cooperative_launch_a_block_per_units():
                                   persistent.RNNPersistentSpec("lstm", "float16", 4, 2, train=True),
                                   persistent.RNNPersistentSpec("gru", "bfloat16", 8, 8, train=True),
                                   persistent.RNNPersistentSpec("lstm", "float16", 8, 4, kreg=16),
+                                  persistent.RNNPersistentSpec("lstm", "float16", 8, 8, kreg=12, train=True),
                                   persistent.RNNPersistentSpec("gru", "bfloat16", 1, 1, train=True, kreg=4)],
                          ids=lambda s: s.uri)
 def test_kernels_build_without_spills_on_the_tensor_cores(spec, arch):

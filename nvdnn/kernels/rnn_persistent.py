@@ -129,7 +129,11 @@ def h_buf_shape(batch: int, hidden: int) -> tuple:
 
 def plan(spec: RNNPersistentSpec, batch: int, hidden: int, steps: int, *, reverse: bool, y_st: int, y_sb: int,
          xg_st: int, xg_sb: int) -> Plan:
-    """One launch for a direction's ``steps`` (strides in elements)."""
+    """One launch for a direction's ``steps`` (strides in elements). A spec holding W in registers
+    serves only the hidden sizes whose K steps a warp's ``kreg`` covers (choose() picks so)."""
+    if spec.kreg and -(-(-(-hidden // 16)) // spec.ksplit) > spec.kreg:
+        raise ValidationError(f"hidden: {hidden} units give a warp {-(-(-(-hidden // 16)) // spec.ksplit)} K steps; "
+                              f"{spec.uri} holds {spec.kreg}", arg="hidden")
     args = (np.int32(batch), np.int32(hidden), np.int32(steps), np.int32(reverse), np.int64(y_st), np.int64(y_sb),
             np.int64(xg_st), np.int64(xg_sb))
     return Plan((Launch(spec, (-(-hidden // spec.units), 1, 1), (THREADS, 1, 1), spec.shared_bytes(hidden),
