@@ -356,8 +356,7 @@ def persistent(host, monkeypatch):
 @pytest.mark.parametrize("mode,steps,batch,hidden,options", CASES + [
     ("lstm", 3, 5, 33, dict(bidirectional=True, batch_first=True, lengths=np.array([3, 0, 1, 2, 3]))),
     ("gru", 4, 2, 17, dict(bidirectional=True, num_layers=2))])
-@pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("with_reserve", [False, True])
+@pytest.mark.parametrize("with_state,with_reserve", [(False, True), (True, False)])
 def test_the_persistent_path_forward_and_backward_match_the_reference(mode, steps, batch, hidden, options,
                                                                       with_state, with_reserve, persistent):
     """functional_rnn._recurrence's plumbing (strides, the direction's columns, th, the tape over
