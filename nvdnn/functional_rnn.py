@@ -234,11 +234,15 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
 _forward = callsite.fast(_run)  # lstm and gru wrap it: a Reserve is no array a replay could make
 
 
-def _with_reserve(mode, result, input, lengths, num_layers, bidirectional, batch_first, bias) -> tuple:
-    """A training forward's results, its tape (their last) in a Reserve."""
+def _public(mode, input, hx, params, training, options: dict):
+    """lstm / gru: the recorded forward, and with ``training`` its tape (its results' last) in a
+    Reserve, which no replay could make."""
+    result = _forward(mode, input, hx, params, training=training, **options)
+    if not training:
+        return result
     *results, tape = result
-    options = dict(num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias)
-    return (*results, rnn_tape.Reserve(mode, options, tuple(input.shape), lengths, tape))
+    made_with = {k: options[k] for k in rnn_tape.OPTIONS}
+    return (*results, rnn_tape.Reserve(mode, made_with, tuple(input.shape), options["lengths"], tape))
 
 
 def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
@@ -257,12 +261,9 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)
     holds what ``nvdnn.lstm_backward(..., reserve=reserve)`` needs, so it recomputes nothing.
     """
-    result = _forward("lstm", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                      batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout,
-                      dropout_masks=dropout_masks, training=training, stream=stream)
-    if not training:
-        return result
-    return _with_reserve("lstm", result, input, lengths, num_layers, bidirectional, batch_first, bias)
+    return _public("lstm", input, hx, params, training, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
+        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
 
 
 def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
@@ -270,9 +271,6 @@ def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fal
     """``(output, h_n)`` of a multi-layer GRU, ``torch.nn.GRU``'s meanings (gates r, z, n); the
     arguments are lstm's, ``hx`` h0 alone; ``training=True`` returns ``(output, h_n, reserve)``
     for ``nvdnn.gru_backward``."""
-    result = _forward("gru", input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-                      batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout,
-                      dropout_masks=dropout_masks, training=training, stream=stream)
-    if not training:
-        return result
-    return _with_reserve("gru", result, input, lengths, num_layers, bidirectional, batch_first, bias)
+    return _public("gru", input, hx, params, training, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
+        dropout=dropout, dropout_masks=dropout_masks, stream=stream))

@@ -167,6 +167,15 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
 _backward = callsite.fast(_run_backward)  # the public functions wrap it: they unwrap the Reserve
 
 
+def _public(mode, grad_output, grad_states, input, hx, params, reserve, options: dict) -> tuple:
+    """lstm_backward / gru_backward: the reserve's tape checked against the call, the recorded
+    backward run, grad_params as a list."""
+    tape = rnn_tape.tape_of(reserve, mode, input, options["lengths"], {k: options[k] for k in rnn_tape.OPTIONS})
+    grad_input, grad_states, grad_params = _backward(mode, grad_output, grad_states, input, hx, params, tape=tape,
+                                                     **options)
+    return grad_input, grad_states, list(grad_params)
+
+
 def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
                   bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None, stream=None):
     """``(grad_input, (grad_h0, grad_c0), grad_params)`` of nvdnn.lstm's output and (h_n, c_n)
@@ -178,13 +187,9 @@ def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidi
     forward first. Gradients between steps and layers are float32 sums rounded to the io type
     where a GEMM reads them (the gate gradients, a layer's dx), as cuDNN's are. No projection
     (proj_size) yet; between-layer dropout as the forward."""
-    tape = rnn_tape.tape_of(reserve, "lstm", input, lengths, dict(
-        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias))
-    grad_input, grad_states, grad_params = _backward(
-        "lstm", grad_output, grad_hx, input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-        batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks, tape=tape,
-        stream=stream)
-    return grad_input, grad_states, list(grad_params)
+    return _public("lstm", grad_output, grad_hx, input, hx, params, reserve, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
+        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
 
 
 def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
@@ -192,10 +197,6 @@ def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidi
     """``(grad_input, grad_h0, grad_params)`` of nvdnn.gru's output and h_n given their gradients
     (``grad_h_n`` None: zeros); the rest as lstm_backward, ``reserve`` from
     ``nvdnn.gru(..., training=True)``."""
-    tape = rnn_tape.tape_of(reserve, "gru", input, lengths, dict(
-        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias))
-    grad_input, grad_h0, grad_params = _backward(
-        "gru", grad_output, grad_h_n, input, hx, params, num_layers=num_layers, bidirectional=bidirectional,
-        batch_first=batch_first, bias=bias, lengths=lengths, dropout=dropout, dropout_masks=dropout_masks, tape=tape,
-        stream=stream)
-    return grad_input, grad_h0, list(grad_params)
+    return _public("gru", grad_output, grad_h_n, input, hx, params, reserve, dict(
+        num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
+        dropout=dropout, dropout_masks=dropout_masks, stream=stream))

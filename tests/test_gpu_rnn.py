@@ -45,6 +45,29 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
 }
 
 
+def problem(name: str, dtype: str, with_state: bool, rng):
+    """(mode, proj_size, options, the backward's arguments as host arrays: grad_output, grad_hx,
+    input, hx, params) of case ``name``; the forward takes the last three."""
+    mode, steps, batch, input_size, hidden, options = CASES[name]
+    options = dict(options)
+    proj = options.pop("proj_size", 0)
+    kind = host_dtype(dtype)
+    params = module_weights(mode, input_size, hidden, dict(options, proj_size=proj), kind, rng)
+    if hidden >= 256:  # nn.LSTM's own scale, U(-1/sqrt(H), 1/sqrt(H)): wide layers stay off chaos
+        params = [(p.astype(np.float32) * (2 / hidden ** 0.5)).astype(kind) for p in params]
+    dirs = 1 + options.get("bidirectional", False)
+    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
+    x = rng.uniform(-1, 1, lead + (input_size,)).astype(kind)
+    grad_y = rng.uniform(-1, 1, lead + (dirs * (proj or hidden),)).astype(kind)
+    state = (options.get("num_layers", 1) * dirs,) + (() if batch is None else (batch,))
+    hx = grad_hx = None
+    if with_state:
+        h0, dh_n = (rng.uniform(-1, 1, state + (proj or hidden,)).astype(kind) for _ in range(2))
+        c0, dc_n = (rng.uniform(-1, 1, state + (hidden,)).astype(kind) for _ in range(2))
+        hx, grad_hx = ((h0, c0), (dh_n, dc_n)) if mode == "lstm" else (h0, dh_n)
+    return mode, proj, options, (grad_y, grad_hx, x, hx, params)
+
+
 def per_step_path(monkeypatch):
     """fp16 / bf16 layers off the persistent kernel, onto the per-step path (and replays recorded
     here kept apart from the other tests')."""
@@ -64,23 +87,9 @@ def test_rnn_matches_float64(name, dtype, path, with_state, monkeypatch):
     import nvdnn
     if path == "per_step":
         per_step_path(monkeypatch)
-    mode, steps, batch, input_size, hidden, options = CASES[name]
-    options = dict(options)
-    proj = options.pop("proj_size", 0)
-    rng = np.random.default_rng()
-    host = module_weights(mode, input_size, hidden, dict(options, proj_size=proj), host_dtype(dtype), rng)
-    if hidden >= 256:  # nn.LSTM's own scale, U(-1/sqrt(H), 1/sqrt(H)): wide layers stay off chaos
-        host = [(p.astype(np.float32) * (2 / hidden ** 0.5)).astype(p.dtype) for p in host]
-    shape = (steps, input_size) if batch is None else (batch, steps, input_size) if options.get("batch_first") \
-        else (steps, batch, input_size)
-    x = rng.uniform(-1, 1, shape).astype(host_dtype(dtype))
+    mode, proj, options, (_, _, x, hx, host) = problem(name, dtype, with_state, np.random.default_rng())
+    steps, batch, hidden = CASES[name][1], CASES[name][2], CASES[name][4]
     states = options.get("num_layers", 1) * (1 + options.get("bidirectional", False))
-    lead = (states,) if batch is None else (states, batch)
-    hx = None
-    if with_state:
-        h0 = rng.uniform(-1, 1, lead + (proj or hidden,)).astype(host_dtype(dtype))
-        c0 = rng.uniform(-1, 1, lead + (hidden,)).astype(host_dtype(dtype))
-        hx = (h0, c0) if mode == "lstm" else h0
     fn, ref = getattr(nvdnn, mode), getattr(nvdnn.reference, mode)
     dev = lambda a: cupy.asarray(a)  # noqa: E731
     dev_hx = None if hx is None else tuple(map(dev, hx)) if mode == "lstm" else dev(hx)

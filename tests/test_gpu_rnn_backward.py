@@ -10,45 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .gpu import host_dtype, poison_next_allocation, requires_gpu
-from .test_gpu_rnn import CASES, TOL
-from .test_rnn import module_weights
+from .gpu import poison_next_allocation, requires_gpu
+from .test_gpu_rnn import CASES, TOL, problem, unmeasured  # noqa: F401 (an autouse fixture)
 
 pytestmark = requires_gpu
 
 
-@pytest.fixture(autouse=True)
-def unmeasured(monkeypatch):
-    """What waits behind NVDNN_UNMEASURED (the persistent kernel's W in registers, the training
-    forward and backward) runs here: these tests are its measurement."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
 # |error| / max(1, max |reference|) of every gradient: the gate gradients and a layer's dx round
 # to the type, and the forward's states did every step
 GRAD_TOL = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 1e-1}
-
-
-def _problem(name: str, dtype: str, with_state: bool, rng):
-    """(mode, proj_size, options, the backward's arguments as host arrays: grad_output, grad_hx,
-    input, hx, params) of test_gpu_rnn's case ``name``."""
-    mode, steps, batch, input_size, hidden, options = CASES[name]
-    options = dict(options)
-    proj = options.pop("proj_size", 0)
-    kind = host_dtype(dtype)
-    params = module_weights(mode, input_size, hidden, dict(options, proj_size=proj), kind, rng)
-    if hidden >= 256:  # nn.LSTM's own scale, as test_gpu_rnn: wide layers stay off chaos
-        params = [(p.astype(np.float32) * (2 / hidden ** 0.5)).astype(kind) for p in params]
-    dirs = 1 + options.get("bidirectional", False)
-    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
-    x = rng.uniform(-1, 1, lead + (input_size,)).astype(kind)
-    grad_y = rng.uniform(-1, 1, lead + (dirs * (proj or hidden),)).astype(kind)
-    state = (options.get("num_layers", 1) * dirs,) + (() if batch is None else (batch,))
-    hx = grad_hx = None
-    if with_state:
-        h0, dh_n = (rng.uniform(-1, 1, state + (proj or hidden,)).astype(kind) for _ in range(2))
-        c0, dc_n = (rng.uniform(-1, 1, state + (hidden,)).astype(kind) for _ in range(2))
-        hx, grad_hx = ((h0, c0), (dh_n, dc_n)) if mode == "lstm" else (h0, dh_n)
-    return mode, proj, options, (grad_y, grad_hx, x, hx, params)
 
 
 def _device(value):
@@ -72,7 +42,7 @@ def test_rnn_backward_matches_float64(name, dtype, with_state):
     import cupy
 
     import nvdnn
-    mode, proj, options, args = _problem(name, dtype, with_state, np.random.default_rng())
+    mode, proj, options, args = problem(name, dtype, with_state, np.random.default_rng())
     backward = getattr(nvdnn, f"{mode}_backward")
     if proj:
         with pytest.raises(nvdnn.errors.UnsupportedError, match="proj_size"):
@@ -110,7 +80,7 @@ def test_the_reserve_gives_what_the_recomputing_path_gives(name, dtype):
     import cupy
 
     import nvdnn
-    mode, _, options, args = _problem(name, dtype, True, np.random.default_rng())
+    mode, _, options, args = problem(name, dtype, True, np.random.default_rng())
     grad_y, grad_hx, x, hx, params = _device(args)
     y, _, reserve = getattr(nvdnn, mode)(x, hx, params, training=True, **options)
     want = getattr(nvdnn.reference, mode)(*args[2:], **options)[0]
@@ -130,7 +100,7 @@ def test_a_repeat_training_step_replays():
 
     import nvdnn
     from nvdnn import callsite
-    mode, _, options, args = _problem("lstm_two_layers_bidirectional", "float16", True, np.random.default_rng(1))
+    mode, _, options, args = problem("lstm_two_layers_bidirectional", "float16", True, np.random.default_rng(1))
 
     def step():
         grad_y, grad_hx, x, hx, params = _device(args)

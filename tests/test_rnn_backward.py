@@ -224,6 +224,41 @@ CASES = [  # mode, T, B (None: unbatched), hidden, options
 ]
 
 
+INPUTS = 4  # the cases' input size
+
+
+def _problem(mode, steps, batch, hidden, options, with_state, grad_c_n=True) -> tuple:
+    """(input, grad_output, hx, grad_hx, params) of a case, float32; states and their gradients
+    only ``with_state`` (an LSTM's grad_c_n None unless ``grad_c_n``)."""
+    rng = np.random.default_rng(5)
+    params = module_weights(mode, INPUTS, hidden, options, np.float32, rng)
+    dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
+    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
+    x = rng.uniform(-1, 1, lead + (INPUTS,)).astype(np.float32)
+    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
+    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
+    hx = grad_hx = None
+    if with_state:
+        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
+        hx, grad_hx = ((h0, c0), (dh_n, dc_n if grad_c_n else None)) if mode == "lstm" else (h0, dh_n)
+    return x, grad_y, hx, grad_hx, params
+
+
+def _assert_gradients(mode, got, args, options) -> None:
+    """``got`` against nvdnn.reference's backward of ``args`` (grad_output, grad_hx, input, hx,
+    params), each gradient by name: float32, the reference's shape, within 1e-5."""
+    grad_y, grad_hx, x, hx, params = args
+    want = getattr(nvdnn.reference, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, **options)
+    flat = (lambda r: (r[0], *r[1], *r[2])) if mode == "lstm" else (lambda r: (r[0], r[1], *r[2]))
+    names = ["input", "h0"] + (["c0"] if mode == "lstm" else []) + [name for *_, name in nvdnn.rnn_params.parse_params(
+        mode, params, input_size=INPUTS, num_layers=options.get("num_layers", 1),
+        bidirectional=options.get("bidirectional", False), bias=options.get("bias", True))[0].flat_order()]
+    assert len(flat(got)) == len(flat(want)) == len(names)
+    for name, g, w in zip(names, flat(got), flat(want)):
+        assert g.shape == w.shape and g.dtype == np.float32, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad of {name}")
+
+
 @pytest.mark.parametrize("mode,steps,batch,hidden,options", CASES)
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("with_reserve", [False, True])
@@ -233,17 +268,7 @@ def test_the_backward_orchestration_matches_the_reference(mode, steps, batch, hi
     steps, dh through the GEMM's residual, lengths, both directions' dx into one, the weight GEMMs
     over every row, layer inputs from the tape -- against nvdnn.reference.lstm_backward /
     gru_backward, given the training forward's reserve or recomputing it."""
-    inputs, rng = 4, np.random.default_rng(5)
-    params = module_weights(mode, inputs, hidden, options, np.float32, rng)
-    dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
-    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
-    x = rng.uniform(-1, 1, lead + (inputs,)).astype(np.float32)
-    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
-    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
-    hx = grad_hx = None
-    if with_state:
-        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
-        hx, grad_hx = ((h0, c0), (dh_n, None)) if mode == "lstm" else (h0, dh_n)
+    x, grad_y, hx, grad_hx, params = _problem(mode, steps, batch, hidden, options, with_state, grad_c_n=False)
     reserve = None
     if with_reserve:
         forward = getattr(nvdnn, mode)(x, hx, params, training=True, **options)
@@ -252,15 +277,8 @@ def test_the_backward_orchestration_matches_the_reference(mode, steps, batch, hi
         reserve = forward[-1]
         assert isinstance(reserve, rnn_tape.Reserve) and reserve.mode == mode
     got = getattr(nvdnn, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, reserve=reserve, **options)
-    want = getattr(nvdnn.reference, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, **options)
-    flat = (lambda r: (r[0], *r[1], *r[2])) if mode == "lstm" else (lambda r: (r[0], r[1], *r[2]))
-    names = ["input", "h0"] + (["c0"] if mode == "lstm" else []) + [name for *_, name in nvdnn.rnn_params.parse_params(
-        mode, params, input_size=inputs, num_layers=layers, bidirectional=dirs == 2,
-        bias=options.get("bias", True))[0].flat_order()]
-    assert isinstance(got[2], list) and len(flat(got)) == len(flat(want)) == len(names)
-    for name, g, w in zip(names, flat(got), flat(want)):
-        assert g.shape == w.shape and g.dtype == np.float32, name
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad of {name}")
+    assert isinstance(got[2], list)
+    _assert_gradients(mode, got, (grad_y, grad_hx, x, hx, params), options)
 
 
 def _mem(x):
@@ -362,17 +380,7 @@ def test_the_persistent_path_forward_and_backward_match_the_reference(mode, step
     """functional_rnn._recurrence's plumbing (strides, the direction's columns, th, the tape over
     xg's (G+1)*H rows, reverse, lengths) through the inference and training forwards and the
     backward, the persistent kernel stood in for by NumPy."""
-    inputs, rng = 4, np.random.default_rng(5)
-    params = module_weights(mode, inputs, hidden, options, np.float32, rng)
-    dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
-    lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
-    x = rng.uniform(-1, 1, lead + (inputs,)).astype(np.float32)
-    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
-    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
-    hx = grad_hx = None
-    if with_state:
-        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
-        hx, grad_hx = ((h0, c0), (dh_n, dc_n)) if mode == "lstm" else (h0, dh_n)
+    x, grad_y, hx, grad_hx, params = _problem(mode, steps, batch, hidden, options, with_state)
     # inference forward through the persistent path
     got = getattr(nvdnn, mode)(x, hx, params, **options)
     want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
@@ -387,8 +395,4 @@ def test_the_persistent_path_forward_and_backward_match_the_reference(mode, step
         assert _USED and all(s.train for s in _USED)
     got = getattr(nvdnn, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, reserve=reserve, **options)
     assert _USED and all(s.train for s in _USED)
-    wantb = getattr(nvdnn.reference, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, **options)
-    flat = (lambda r: (r[0], *r[1], *r[2])) if mode == "lstm" else (lambda r: (r[0], r[1], *r[2]))
-    for k, (g, w) in enumerate(zip(flat(got), flat(wantb))):
-        assert g.shape == w.shape and g.dtype == np.float32, k
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"grad {k}")
+    _assert_gradients(mode, got, (grad_y, grad_hx, x, hx, params), options)

@@ -50,6 +50,12 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[
   }
 }
 
+// Two 8 x 8 matrices (lanes 0-15 give the row addresses): an m16n8k16 B fragment stored [n][k].
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 { %0, %1 }, [%2];" : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_u32(p)));
+}
+
 // D += A (16 x K, row) * B (K x 8, col) on one warp; accumulators in float.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3 }, { %4, %5, %6, %7 }, "
