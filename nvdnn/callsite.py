@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .call_signature import byte_meta, cupy_meta, overlaps, reader, signature, span, torch_meta
+from .errors import ValidationError
 from .runtime import DependentFunction, LaunchExFunction
 
 PLAN_LIMIT = 1024  # replays kept; the oldest goes first
@@ -127,6 +128,7 @@ class _Output(NamedTuple):
 class Replay(NamedTuple):
     outputs: tuple       # _Output per array the call allocated and returned
     scratch: tuple       # bytes per scratch buffer
+    cupy_allocs: bool    # whether CuPy allocates some output or scratch buffer
     launches: tuple      # a _Launch per kernel
     result: object       # ("in", i) / ("out", j) / None, or a tuple of those
     torch_device: int    # -1, or the device whose current torch stream the launches take (that of the torch inputs)
@@ -183,7 +185,8 @@ def _build(rec: Recording, arrays: list, result, torch_stream: bool) -> Replay |
     except _NotKept:
         return None
     torch_device = _torch_device(arrays) if torch_stream else -1
-    return Replay(tuple(outputs), tuple(size for _, size in rec.scratch), launches, shape, torch_device)
+    cupy_allocs = bool(rec.scratch) or any(o.torch is None for o in outputs)
+    return Replay(tuple(outputs), tuple(size for _, size in rec.scratch), cupy_allocs, launches, shape, torch_device)
 
 
 def _source(a, rec: Recording, ranges: list):
@@ -271,11 +274,14 @@ def _launch(function, grid, block, sources, shared_mem, arrays, outputs, nbytes:
 
 def _run(replay: Replay, arrays: list, addresses: list, stream):
     """Launch a replay on this call's arrays: allocate its outputs and scratch, fill the pointers."""
-    outputs, scratch_sizes, launches, result, torch_device = replay
+    outputs, scratch_sizes, cupy_allocs, launches, result, torch_device = replay
     if torch_device >= 0 and stream is None:
         stream = _torch_current(torch_device)
-    made = [_allocate(o) for o in outputs] if outputs else ()
-    scratch = [_CUPY.cuda.alloc(size) for size in scratch_sizes] if scratch_sizes else ()  # MemoryPointers
+    if stream is not None and cupy_allocs:
+        with stream:  # the buffers belong to the stream the launches take (see _record)
+            made, scratch = _allocations(outputs, scratch_sizes)
+    else:
+        made, scratch = _allocations(outputs, scratch_sizes)
     objects = (arrays, made, scratch)
     for launch in launches:
         function, grid, block, shared_mem, template, fills, pointer_fills, deferred, _ = launch
@@ -291,6 +297,12 @@ def _run(replay: Replay, arrays: list, addresses: list, stream):
     if result is not None and type(result[0]) is str:  # one array: ("in" | "out", index)
         return (arrays if result[0] == "in" else made)[result[1]]
     return _result(result, arrays, made)
+
+
+def _allocations(outputs, scratch_sizes) -> tuple:
+    """A replay's outputs, and its scratch buffers as MemoryPointers."""
+    made = [_allocate(o) for o in outputs] if outputs else ()
+    return made, [_CUPY.cuda.alloc(size) for size in scratch_sizes] if scratch_sizes else ()
 
 
 def _address(kind: int, index: int, addresses, made, outputs, scratch) -> int:
@@ -428,13 +440,19 @@ def fast(function):
 
 
 def _record(function, args, kwargs, key, arrays, addresses):
-    """The full path, recorded; its replay kept under ``key`` where it accounts for everything."""
-    torch_stream = kwargs.get("stream") is None and any(reader(type(x)) is torch_meta for x in arrays)
+    """The full path, recorded; its replay kept under ``key`` where it accounts for everything.
+    It runs with the call's stream (``stream=``, else torch's current one for torch inputs)
+    current, so its allocations belong to the stream its kernels run on: CuPy's pool hands a
+    freed block out again only to work ordered after the free on the stream that allocated it."""
+    stream = _checked_stream(kwargs.get("stream")) if kwargs else None
+    torch_stream = stream is None and any(reader(type(x)) is torch_meta for x in arrays)
+    if torch_stream:
+        stream = _torch_stream(arrays)
     rec = Recording({id(x): i for i, x in enumerate(arrays)})
     _count_active(+1)
     _LOCAL.recording = rec
     try:
-        with (_torch_stream(arrays) if torch_stream else None) or contextlib.nullcontext():
+        with stream if stream is not None else contextlib.nullcontext():
             result = function(*args, **kwargs)
     finally:
         _LOCAL.recording = None
@@ -452,6 +470,16 @@ def _record(function, args, kwargs, key, arrays, addresses):
     entry[1][overlaps(addresses, spans) if len(addresses) > 1 else ()] = replay
     STATS["recorded"] += 1
     return result
+
+
+def _checked_stream(stream):
+    """``stream`` where it is a CuPy stream (or None); a ValidationError naming it otherwise."""
+    if stream is None or (type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr")
+                          and hasattr(stream, "__enter__")):
+        return stream
+    raise ValidationError(f"stream: expected a CuPy stream (cupy.cuda.Stream, or cupy.cuda.ExternalStream over "
+                          f"another library's handle) or None for the current one, got {type(stream).__name__}",
+                          arg="stream")
 
 
 _ACTIVE_LOCK = threading.Lock()

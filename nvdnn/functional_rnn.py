@@ -11,8 +11,6 @@ nvdnn/rnn_tape.py; functional_rnn_backward has the backward.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 
 import numpy as np
 
@@ -105,18 +103,6 @@ def _scratch(cp, shape, kind):
     return buffer
 
 
-def on_stream(run):
-    """``run`` with its ``stream`` current, so its allocations (outputs, scratch, a lengths copy)
-    belong to the stream its kernels run on: CuPy's pool hands a freed block out again only to
-    work ordered after it on the stream that allocated it."""
-    @functools.wraps(run)
-    def call(*args, stream=None, **kwargs):
-        with stream if stream is not None else contextlib.nullcontext():
-            return run(*args, stream=stream, **kwargs)
-    return call
-
-
-@on_stream
 def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout,
          dropout_masks, training=False, stream):
     if dropout_masks is not None:

@@ -74,7 +74,6 @@ def _rows(step) -> int:
     return step.strides[0] // step.itemsize
 
 
-@functional_rnn.on_stream
 def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_layers, bidirectional, batch_first,
                   bias, lengths, dropout, dropout_masks, tape, stream):
     if dropout_masks is not None:
@@ -150,7 +149,7 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
                 g["b_ih"] = functional_anchors.sum(dg, axis=0, dtype=kind, stream=stream)
                 if mode == "gru":
                     g["b_hh"] = functional_anchors.sum(dgh, axis=0, dtype=kind, stream=stream)
-                else:  # an LSTM's dG_hh is dG_ih: a copy (on the stream: on_stream made it current)
+                else:  # an LSTM's dG_hh is dG_ih: a copy (on the stream: callsite.fast made it current)
                     g["b_hh"] = cast(g["b_ih"], kind)
             d_rows = d_in.reshape(-1, d_in.shape[-1])
             matmul(dg, w["w_ih"], residual=d_rows if d else None, out=d_rows, dtype=kind, stream=stream)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nvdnn import call_signature, callsite
+from nvdnn.errors import ValidationError
 
 
 class _Memory:
@@ -49,15 +50,36 @@ class _FakeCNumpyArray:
         self.array = array
 
 
+class FakeStream:
+    """A CuPy stream: CuPy's current one inside ``with``."""
+    __module__ = "cupy.cuda.stream"
+    current = None
+
+    def __init__(self, ptr=0xABC):
+        self.ptr = ptr
+
+    def __enter__(self):
+        self.outer, FakeStream.current = FakeStream.current, self
+        return self
+
+    def __exit__(self, *exc):
+        FakeStream.current = self.outer
+
+
 class _FakeCupy:
     uint8 = np.uint8
     ndarray = FakeArray
 
     def __init__(self):
+        self.allocated_on = []  # the current stream at each allocation
         self.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                          alloc=lambda n: _Memory(_fresh_address(n)),
+                                          alloc=self._alloc,
                                           function=types.SimpleNamespace(CNumpyArray=_FakeCNumpyArray,
                                                                          CIntptr=lambda v: np.uint64(v)))
+
+    def _alloc(self, nbytes):
+        self.allocated_on.append(FakeStream.current)
+        return _Memory(_fresh_address(nbytes))
 
     def empty(self, shape, dtype):
         return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
@@ -317,10 +339,9 @@ def test_a_torch_call_given_a_stream_replays_with_torch_outputs(monkeypatch, toy
         callsite.launch(kernel, (1,), (32,), (np.uint64(y.data_ptr()), np.uint64(x.data_ptr())), stream=stream)
         return y
 
-    Stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 1234})
-    f(_Tensor((4, 6)), stream=Stream())
+    f(_Tensor((4, 6)), stream=FakeStream(1234))
     x = _Tensor((4, 6))
-    y = f(x, stream=Stream())
+    y = f(x, stream=FakeStream(1234))
     assert counts["full path"] == 1 and made == [((4, 6), (6, 1))]
     assert kernel.calls[-1] == (y.data_ptr(), x.data_ptr())
 
@@ -343,7 +364,7 @@ def test_a_replay_launches_on_the_call_s_stream_with_its_wrapped_constants(toy):
     y = wrapped(x)
     assert counts["full path"] == 1 and kernel.calls[-1] == (y.data.ptr, x.data.ptr, -5, np.float32(0.5))
     assert kernel.streams[-1] is None
-    stream = type("Stream", (), {"__module__": "cupy.cuda.stream", "ptr": 0xABC})()
+    stream = FakeStream()
     wrapped(x, stream=stream)  # recorded: a stream is part of the key
     y = wrapped(x, stream=stream)
     assert counts["full path"] == 2 and kernel.streams[-1] is stream
@@ -351,3 +372,36 @@ def test_a_replay_launches_on_the_call_s_stream_with_its_wrapped_constants(toy):
     (_, replays, _), = (entry for key, entry in callsite._REPLAYS.items() if key[0] is wrapped and key[2] == ())
     template = next(iter(replays.values())).launches[0].template
     assert isinstance(template[2], _FakeCNumpyArray) and isinstance(template[3], _FakeCNumpyArray)
+
+
+def test_a_call_given_a_stream_allocates_on_it(toy):
+    """Outputs and scratch belong to the stream the kernels take (CuPy's pool hands a freed block
+    out again only to work ordered after the free on the stream that allocated it): the full path
+    runs with the call's stream current, a replay allocates with it current, and the stream is
+    left as it was."""
+    entry, kernel, counts = toy
+    full_path_on = []
+
+    @callsite.fast
+    def f(x, *, stream=None):
+        full_path_on.append(FakeStream.current)
+        return entry.full_path(x, stream=stream)
+
+    stream, x = FakeStream(), FakeArray((8, 16))
+    f(x, stream=stream)
+    cupy = callsite._CUPY
+    del cupy.allocated_on[:]
+    f(x, stream=stream)
+    assert full_path_on == [stream] and counts["full path"] == 1
+    assert cupy.allocated_on == [stream, stream] and kernel.streams[-1] is stream  # the output, the scratch
+    assert FakeStream.current is None
+    f(x)
+    assert full_path_on == [stream, None]
+
+
+@pytest.mark.parametrize("stream", [1, "0", np.uint64(7), object()])
+def test_a_stream_that_is_no_cupy_stream_is_named(toy, stream):
+    entry, kernel, counts = toy
+    with pytest.raises(ValidationError, match="stream: expected a CuPy stream") as info:
+        entry(FakeArray((8, 16)), stream=stream)
+    assert info.value.arg == "stream" and counts["full path"] == 0 and not kernel.calls
