@@ -79,6 +79,18 @@ def _back_to(x) -> Callable:
     return from_dlpack if from_dlpack is not None else _identity
 
 
+def device_vector(cp, x, kind, name: str):
+    """A small argument (sinks, lengths) as a contiguous device vector of ``kind``, in place when
+    it is one already (a converted one is device work a replay would not repeat)."""
+    if type(x) is cp.ndarray and x.dtype == kind and x.flags.c_contiguous:
+        return x
+    dev = arrays.to_device(x, name)[0]
+    if dev.dtype != kind or not dev.flags.c_contiguous:
+        callsite.refuse(f"{name} converted to {np.dtype(kind).name}")
+        dev = cp.ascontiguousarray(dev, dtype=kind)
+    return dev
+
+
 def alignment(ptr: int) -> int:
     """The largest power of two up to 16 dividing ``ptr``."""
     return 16 if ptr % 16 == 0 else (ptr & -ptr)

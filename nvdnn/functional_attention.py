@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from . import arrays, callsite, dtypes, launcher
+from . import arrays, callsite, dropout_seed_words, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
@@ -63,7 +63,9 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                                f"one head dim, a multiple of 8 up to {family.HEAD_TILES[-1]}", arg="value")
     if attn_mask is not None:
         _check_mask(attn_mask, q, k, packed is not None)
-    _check_dropout(dropout_p, dropout_seed, packed is not None)
+    dropout_seed_words.check(dropout_p, dropout_seed, "dropout_p")
+    if dropout_p and packed is not None:
+        raise UnsupportedError("dropout_p: packed sequences take no dropout yet", arg="dropout_p")
     checks.flag(is_causal, "scaled_dot_product_attention", "is_causal")
     checks.flag(enable_gqa, "scaled_dot_product_attention", "enable_gqa")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
@@ -75,54 +77,6 @@ def check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     want = tuple(query.shape) if packed is not None else q.shape
     if out is not None and checks.describe(out, "out").shape != want:
         raise ValidationError(f"out: shape {tuple(out.shape)} should be {want}", arg="out")
-
-
-def _check_dropout(dropout_p, dropout_seed, packed: bool) -> None:
-    """dropout_p a probability; above 0 it needs dropout_seed: an int seed (offset 0), a (seed,
-    offset) pair, or a (2,) int64 array {seed, offset} read at run time."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)) or not 0 <= dropout_p <= 1:
-        raise ValidationError(f"dropout_p: {dropout_p!r}; a probability in [0, 1]", arg="dropout_p")
-    if not dropout_p:
-        return
-    if packed:
-        raise UnsupportedError("dropout_p: packed sequences take no dropout yet", arg="dropout_p")
-    if dropout_seed is None:
-        raise ValidationError(f"dropout_seed: dropout_p={dropout_p} needs the seed the backward repeats: an int, "
-                              "a (seed, offset) pair, or a device array of two int64 {seed, offset}",
-                              arg="dropout_seed")
-    pair = _seed_pair(dropout_seed)
-    if pair is not None:
-        if not (0 <= pair[0] < 2 ** 64 and 0 <= pair[1] < 2 ** 32):
-            raise ValidationError(f"dropout_seed: {dropout_seed!r}; the seed is 64 bits (0 <= seed < 2^64), the "
-                                  "offset 32 bits", arg="dropout_seed")
-        return
-    meta = checks.describe(dropout_seed, "dropout_seed")
-    if meta.shape != (2,) or meta.dtype != "int64":
-        raise ValidationError(f"dropout_seed: {meta.dtype} {meta.shape}; an int, a (seed, offset) pair of ints, or "
-                              "an int64 array (2,) holding {seed, offset}", arg="dropout_seed")
-
-
-def _seed_pair(dropout_seed):
-    """(seed, offset) of an int or a pair of ints (NumPy's too), or None for anything else."""
-    pair = tuple(dropout_seed) if isinstance(dropout_seed, (tuple, list)) else (dropout_seed, 0)
-    if len(pair) == 2 and all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-                              for x in pair):
-        return int(pair[0]), int(pair[1])
-    return None
-
-
-def dropout_input(cp, dropout_p, dropout_seed) -> tuple[dict, dict]:
-    """The {seed, offset} device words by pointer role, and the plan's keyword; a device array
-    is read in place (a replay reads its new contents), ints are copied per call."""
-    if not dropout_p:
-        return {}, {}
-    pair = _seed_pair(dropout_seed)
-    if pair is not None:
-        callsite.refuse("dropout_seed copied to the device")
-        words = cp.asarray(np.array(pair, np.uint64))
-    else:
-        words = device_vector(cp, dropout_seed, np.int64, "dropout_seed")
-    return {"dropout_seed": words}, {"dropout": float(dropout_p)}
 
 
 def _check_mask(attn_mask, q, k, packed: bool) -> None:
@@ -198,18 +152,6 @@ def _check_options(window, softcap, alibi_slopes, sinks, seq_lens_q, seq_lens_kv
             raise DTypeError(f"{name}: data type {meta.dtype}; takes {', '.join(kinds)}", arg=name)
 
 
-def device_vector(cp, x, kind, name: str):
-    """A small argument (sinks, lengths) as a contiguous device vector of ``kind``, in place when
-    it is one already (a converted one is device work a replay would not repeat)."""
-    if type(x) is cp.ndarray and x.dtype == kind and x.flags.c_contiguous:
-        return x
-    dev = arrays.to_device(x, name)[0]
-    if dev.dtype != kind or not dev.flags.c_contiguous:
-        callsite.refuse(f"{name} converted to {np.dtype(kind).name}")
-        dev = cp.ascontiguousarray(dev, dtype=kind)
-    return dev
-
-
 def _batched(x, packed: bool = False):
     """A (H, S, D) array as (1, H, S, D); ``packed``: a (T, H, D) one as (1, H, T, D)."""
     return x.transpose(1, 0, 2)[None] if packed else x if x.ndim == 4 else x[None]
@@ -223,18 +165,18 @@ def feature_inputs(cp, dims: tuple, sk: int, *, window, softcap, alibi_slopes, s
     extra = {}
     for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if given is not None:
-            extra[name] = device_vector(cp, given, np.float32, name)
+            extra[name] = arrays.device_vector(cp, given, np.float32, name)
     if seq_lens_q is not None or seq_lens_kv is not None:
         for name, given, full in (("seq_lens_q", seq_lens_q, dims[2]), ("seq_lens_kv", seq_lens_kv, sk)):
             if given is None:
                 callsite.refuse(f"{name} made in full")
                 extra[name] = cp.full(dims[0], full, np.int32)
             else:
-                extra[name] = device_vector(cp, given, np.int32, name)
+                extra[name] = arrays.device_vector(cp, given, np.int32, name)
     if packed is not None:
         cus, longest = packed[:2], packed[2:]
         for name, given in zip(("cu_seqlens_q", "cu_seqlens_kv"), cus):
-            extra[name] = device_vector(cp, given, np.int32, name)
+            extra[name] = arrays.device_vector(cp, given, np.int32, name)
         packed = (len(cus[0]) - 1, *(most if most is not None else _longest(cu, name)
                                      for most, cu, name in zip(longest, cus, ("cu_seqlens_q", "cu_seqlens_kv"))))
     options = dict(window=None if window is None else tuple(window),
@@ -310,7 +252,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     extra, options = feature_inputs(cp, dims, ops["k"].shape[2], window=window, softcap=softcap,
                                     alibi_slopes=alibi_slopes, sinks=sinks, seq_lens_q=seq_lens_q,
                                     seq_lens_kv=seq_lens_kv, packed=packed)
-    drop_extra, drop_options = dropout_input(cp, dropout_p, dropout_seed)
+    drop_extra, drop_options = dropout_seed_words.device_input(cp, dropout_p, dropout_seed)
     extra.update(drop_extra)
     options.update(drop_options)
     if attn_mask is not None:

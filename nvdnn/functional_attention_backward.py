@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 
-from . import arrays, callsite, dtypes, launcher
+from . import arrays, callsite, dropout_seed_words, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import _batched, check_attention, dropout_input, feature_inputs
+from .functional_attention import _batched, check_attention, feature_inputs
 from .functional_conv import _empty
 from .functional_matmul import _operand
 from .kernels import attention_backward as family
@@ -116,7 +116,7 @@ def scaled_dot_product_attention_backward(grad_out, query, key, value, output, l
     sk = ops["k"].shape[2]
     extra, options = feature_inputs(cp, dims, sk, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                     sinks=None, seq_lens_q=seq_lens_q, seq_lens_kv=seq_lens_kv, packed=packed)
-    drop_extra, drop_options = dropout_input(cp, dropout_p, dropout_seed)
+    drop_extra, drop_options = dropout_seed_words.device_input(cp, dropout_p, dropout_seed)
     extra.update(drop_extra)
     options.update(drop_options)
     if math.prod(dims) and sk:

@@ -10,7 +10,6 @@ from . import arrays, callsite, dtypes, launcher
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import _signature
-from .functional_attention import device_vector
 from .functional_conv import _empty
 from .functional_matmul import _check_out, _operand
 from .kernels import attention_decode as family
@@ -120,10 +119,10 @@ def decode_attention(query, key_cache, value_cache, cache_seqlens=None, block_ta
             callsite.refuse("cache_seqlens made in full")
             extra["cache_seqlens"] = cp.full(dims[0], ops["k_cache"].shape[2], np.int32)
         else:
-            extra["cache_seqlens"] = device_vector(cp, cache_seqlens, np.int32, "cache_seqlens")
+            extra["cache_seqlens"] = arrays.device_vector(cp, cache_seqlens, np.int32, "cache_seqlens")
         table = None
         if paged:
-            extra["block_table"] = device_vector(cp, block_table, np.int32, "block_table")
+            extra["block_table"] = arrays.device_vector(cp, block_table, np.int32, "block_table")
             table = _operand(extra["block_table"], "int32")
         key = (device, tuple((r, _signature(a)) for r, a in xs.items()), _signature(o),
                None if table is None else _signature(extra["block_table"]), bool(is_causal),

@@ -18,7 +18,6 @@ from . import arrays, callsite, dtypes, launcher, rnn_tape, runtime
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import cast
-from .functional_attention import device_vector
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .kernels import rnn_persistent
@@ -132,7 +131,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
         xs.update((r, xs[r][:, None]) for r in ("h0", "c0") if r in xs)
     dirs, hidden, out = layout.directions, layout.hidden_size, layout.out_size
     gates = family.MODES[mode]
-    lens = None if lengths is None else device_vector(
+    lens = None if lengths is None else arrays.device_vector(
         cp, np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, np.int32, "lengths")
     y_shape = (batch, steps, dirs * out) if batch_first else (steps, batch, dirs * out)
     y = cp.empty(y_shape, dtype=x.dtype)

@@ -21,7 +21,6 @@ from . import arrays, callsite, functional_anchors, functional_rnn, launcher, rn
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import cast
-from .functional_attention import device_vector
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .rnn_params import KEYS
@@ -105,7 +104,7 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
         xs.update((r, xs[r][:, None]) for r in ("dh_n", "dc_n") if r in xs)
     dirs, hidden, gates = layout.directions, layout.hidden_size, layout.gates
     y_shape = _output_shape(layout, steps, batch, batch_first)
-    lens = None if lengths is None else device_vector(
+    lens = None if lengths is None else arrays.device_vector(
         cp, np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, np.int32, "lengths")
     grad_x = cp.empty(x.shape, dtype=x.dtype)
     grad_h0 = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype)

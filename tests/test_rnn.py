@@ -158,7 +158,7 @@ def host_device(monkeypatch):
     monkeypatch.setattr(callsite, "note_scratch", lambda buffer: None)
     monkeypatch.setattr(functional_rnn.runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(functional_rnn.rnn_persistent, "choose", lambda *args: None)
-    monkeypatch.setattr(functional_rnn, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
+    monkeypatch.setattr(arrays, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
     monkeypatch.setattr(functional_rnn, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
     monkeypatch.setattr(functional_rnn.launcher, "run", _cell)

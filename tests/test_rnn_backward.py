@@ -208,8 +208,6 @@ def host(monkeypatch):
     monkeypatch.setattr(functional_rnn.launcher, "run", _launch)
     monkeypatch.setattr(functional_rnn_backward, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn_backward, "cast", _host_cast)
-    monkeypatch.setattr(functional_rnn_backward, "device_vector",
-                        lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
     monkeypatch.setattr(functional_anchors, "sum", lambda x, axis, dtype, stream: x.astype(np.float64).sum(axis)
                         .astype(dtypes.BY_NAME[dtype].np))
 
