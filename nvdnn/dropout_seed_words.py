@@ -10,11 +10,12 @@ from . import functional_checks as checks
 from .errors import ValidationError
 
 
-def check(dropout_p, dropout_seed, p_name: str) -> None:
-    """``dropout_p`` (named ``p_name``) a probability; above 0 it needs ``dropout_seed``."""
+def check(dropout_p, dropout_seed, p_name: str, used: bool = True) -> None:
+    """``dropout_p`` (named ``p_name``) a probability; above 0 it needs ``dropout_seed`` where
+    the call drops something (``used``: a one-layer RNN has no layer to drop between)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating)) or not 0 <= dropout_p <= 1:
         raise ValidationError(f"{p_name}: {dropout_p!r}; a probability in [0, 1]", arg=p_name)
-    if not dropout_p:
+    if not dropout_p or not used:
         return
     if dropout_seed is None:
         raise ValidationError(f"dropout_seed: {p_name}={dropout_p} needs the seed the backward repeats: an int, "
@@ -30,6 +31,11 @@ def check(dropout_p, dropout_seed, p_name: str) -> None:
     if meta.shape != (2,) or meta.dtype != "int64":
         raise ValidationError(f"dropout_seed: {meta.dtype} {meta.shape}; an int, a (seed, offset) pair of ints, or "
                               "an int64 array (2,) holding {seed, offset}", arg="dropout_seed")
+
+
+def same_seed(a, b) -> bool:
+    """Whether two dropout_seed arguments name one draw: equal ints / pairs, or one device array."""
+    return a is b or (seed_pair(a) is not None and seed_pair(a) == seed_pair(b))
 
 
 def seed_pair(dropout_seed):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, callsite, dtypes, launcher, rnn_tape, runtime
+from . import arrays, callsite, dropout_seed_words, dtypes, launcher, rnn_tape, runtime
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import cast
@@ -26,7 +26,7 @@ from .rnn_params import KEYS, parse_params
 _NULL = np.uint64(0)
 
 
-def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias, lengths, dropout):
+def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias, lengths, dropout, dropout_seed):
     """The layout, the per-(layer, direction) weights and (T, B); every rule before any device
     work, the same on every machine."""
     x = checks.describe(input, "input")
@@ -51,11 +51,7 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
         if layout.proj_size:
             raise UnsupportedError("lengths: with proj_size the GPU path takes no lengths yet; "
                                    "nvdnn.reference computes it", arg="lengths")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float, np.floating)) or not 0 <= dropout <= 1:
-        raise ValidationError(f"dropout: {dropout!r}; a probability in [0, 1]", arg="dropout")
-    if dropout and layout.num_layers > 1:
-        raise UnsupportedError("dropout: between-layer dropout has no GPU kernel yet; nvdnn.reference takes its "
-                               "masks", arg="dropout")
+    dropout_seed_words.check(dropout, dropout_seed, "dropout", used=layout.num_layers > 1)
     return layout, weights, steps, batch
 
 
@@ -103,12 +99,10 @@ def _scratch(cp, shape, kind):
 
 
 def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout,
-         dropout_masks, training=False, stream):
-    if dropout_masks is not None:
-        raise UnsupportedError("dropout_masks: the GPU path draws no between-layer dropout yet; nvdnn.reference "
-                               "takes the masks", arg="dropout_masks")
+         dropout_seed, dropout_masks, training=False, stream):
+    check_no_masks(dropout_masks)
     layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
-                                           lengths, dropout)
+                                           lengths, dropout, dropout_seed)
     training = rnn_tape.trains(training, layout, mode)
     checks.device()
     if training:
@@ -138,6 +132,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     h_n = cp.empty((layout.num_layers * dirs, batch, out), dtype=x.dtype)
     c_n = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
     tape = rnn_tape.allocate(cp, layout, y_shape, kind) if training else None  # (gates, h_prev, outputs)
+    seed = dropout_seed_words.device_input(cp, dropout, dropout_seed)[0] if layout.num_layers > 1 else {}
     at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
     layer_in = x
     for layer in range(layout.num_layers):
@@ -189,6 +184,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     previous = h_n[state]
             if layout.proj_size:  # h_n: the last step's projected h, which lies in y
                 cast(previous, kind, out=h_n[state])
+        if seed and layer < layout.num_layers - 1:  # what the next layer reads (and the tape keeps)
+            drop_between(y_layer, layer, dropout, seed, batch_first, stream)
         layer_in = y_layer
     if unbatched:
         y, h_n, c_n = y[:, 0], h_n[:, 0], None if c_n is None else c_n[:, 0]
@@ -216,6 +213,22 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
 
 
+def check_no_masks(dropout_masks) -> None:
+    if dropout_masks is not None:
+        raise UnsupportedError("dropout_masks: the GPU path draws its own between-layer dropout from dropout_seed "
+                               "(nvdnn.reference.rnn_dropout_mask gives its masks); the reference takes masks",
+                               arg="dropout_masks")
+
+
+def drop_between(a, layer: int, dropout: float, seed: dict, batch_first: bool, stream) -> None:
+    """Layer ``layer``'s dropout, in place, over its (T, B, F) output or the gradient of it
+    (``batch_first``: (B, T, F)); ``seed``: dropout_seed_words.device_input's."""
+    st, sb = (s // a.itemsize for s in (a.strides[:2][::-1] if batch_first else a.strides[:2]))
+    shape = (a.shape[1], a.shape[0], a.shape[2]) if batch_first else a.shape
+    plan = family.plan_dropout(dtypes.of_array(a, arg="output").name, shape, st=st, sb=sb, layer=layer, p=dropout)
+    launcher.run(plan, {"dst": a, "src": a, **seed}, stream=stream)
+
+
 _forward = callsite.fast(_run)  # lstm and gru wrap it: a Reserve is no array a replay could make
 
 
@@ -231,7 +244,7 @@ def _public(mode, input, hx, params, training, options: dict):
 
 
 def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-         dropout=0.0, dropout_masks=None, training=False, stream=None):
+         dropout=0.0, dropout_seed=None, dropout_masks=None, training=False, stream=None):
     """``(output, (h_n, c_n))`` of a multi-layer LSTM, ``torch.nn.LSTM``'s meanings.
 
     input (T, B, input_size) (``batch_first``: (B, T, ...); unbatched (T, input_size)), float32,
@@ -240,22 +253,25 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     mapping with its parameter names (``module.state_dict()``): ``weight_hr`` gives proj_size.
     ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
     h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
-    (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` between layers and
-    ``dropout_masks`` (the reference's) raise an UnsupportedError for now. A repeat call replays
+    (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` > 0 drops each layer's output
+    but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
+    ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run
+    time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed. The
+    reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
     the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)
     holds what ``nvdnn.lstm_backward(..., reserve=reserve)`` needs, so it recomputes nothing.
     """
     return _public("lstm", input, hx, params, training, dict(
         num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
-        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
+        dropout=dropout, dropout_seed=dropout_seed, dropout_masks=dropout_masks, stream=stream))
 
 
 def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-        dropout=0.0, dropout_masks=None, training=False, stream=None):
+        dropout=0.0, dropout_seed=None, dropout_masks=None, training=False, stream=None):
     """``(output, h_n)`` of a multi-layer GRU, ``torch.nn.GRU``'s meanings (gates r, z, n); the
     arguments are lstm's, ``hx`` h0 alone; ``training=True`` returns ``(output, h_n, reserve)``
     for ``nvdnn.gru_backward``."""
     return _public("gru", input, hx, params, training, dict(
         num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
-        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
+        dropout=dropout, dropout_seed=dropout_seed, dropout_masks=dropout_masks, stream=stream))

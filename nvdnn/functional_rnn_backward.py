@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, callsite, functional_anchors, functional_rnn, launcher, rnn_tape
+from . import arrays, callsite, dropout_seed_words, functional_anchors, functional_rnn, launcher, rnn_tape
 from . import functional_checks as checks
-from .errors import DTypeError, UnsupportedError, ValidationError
+from .errors import DTypeError, ValidationError
 from .functional import cast
 from .functional_matmul import matmul
 from .kernels import rnn as family
@@ -74,12 +74,10 @@ def _rows(step) -> int:
 
 
 def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_layers, bidirectional, batch_first,
-                  bias, lengths, dropout, dropout_masks, tape, stream):
-    if dropout_masks is not None:
-        raise UnsupportedError("dropout_masks: the GPU path draws no between-layer dropout yet; nvdnn.reference "
-                               "takes the masks", arg="dropout_masks")
+                  bias, lengths, dropout, dropout_seed, dropout_masks, tape, stream):
+    functional_rnn.check_no_masks(dropout_masks)
     options = dict(num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias,
-                   lengths=lengths, dropout=dropout)
+                   lengths=lengths, dropout=dropout, dropout_seed=dropout_seed)
     layout, weights, steps, batch, kind = _check(mode, grad_output, grad_states, input, hx, params, options, tape)
     checks.device()
     checks.unmeasured(f"nvdnn.{mode}_backward", "GPU backward", "grad_output")
@@ -111,6 +109,7 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
     grad_c0 = cp.empty(grad_h0.shape, dtype=x.dtype) if mode == "lstm" else None
     grads = [[{} for _ in range(dirs)] for _ in range(layout.num_layers)]
     at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
+    seed = dropout_seed_words.device_input(cp, dropout, dropout_seed)[0] if layout.num_layers > 1 else {}
     d_out = dy
     for layer in reversed(range(layout.num_layers)):
         layer_in = x if layer == 0 else tape[2][layer - 1]
@@ -152,6 +151,8 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
                     g["b_hh"] = cast(g["b_ih"], kind)
             d_rows = d_in.reshape(-1, d_in.shape[-1])
             matmul(dg, w["w_ih"], residual=d_rows if d else None, out=d_rows, dtype=kind, stream=stream)
+        if seed and layer:  # the gradient of the layer below's output, through its dropout
+            functional_rnn.drop_between(d_in, layer - 1, dropout, seed, batch_first, stream)
         d_out = d_in
     if unbatched:
         grad_x, grad_h0, grad_c0 = grad_x[:, 0], grad_h0[:, 0], None if grad_c0 is None else grad_c0[:, 0]
@@ -175,7 +176,8 @@ def _public(mode, grad_output, grad_states, input, hx, params, reserve, options:
 
 
 def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                  bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None, stream=None):
+                  bias=True, lengths=None, dropout=0.0, dropout_seed=None, dropout_masks=None, reserve=None,
+                  stream=None):
     """``(grad_input, (grad_h0, grad_c0), grad_params)`` of nvdnn.lstm's output and (h_n, c_n)
     given their gradients: ``grad_output`` (the output's shape and type) and ``grad_hx``
     (grad_h_n, grad_c_n), either (or the pair) None for zeros; the other arguments are the
@@ -184,17 +186,19 @@ def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidi
     the Reserve of ``nvdnn.lstm(..., training=True)`` on the same arguments, or None to run that
     forward first. Gradients between steps and layers are float32 sums rounded to the io type
     where a GEMM reads them (the gate gradients, a layer's dx), as cuDNN's are. No projection
-    (proj_size) yet; between-layer dropout as the forward."""
+    (proj_size) yet; between-layer dropout as the forward's (the same ``dropout`` and
+    ``dropout_seed``), its gradient through the same draw."""
     return _public("lstm", grad_output, grad_hx, input, hx, params, reserve, dict(
         num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
-        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
+        dropout=dropout, dropout_seed=dropout_seed, dropout_masks=dropout_masks, stream=stream))
 
 
 def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                 bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None, stream=None):
+                 bias=True, lengths=None, dropout=0.0, dropout_seed=None, dropout_masks=None, reserve=None,
+                 stream=None):
     """``(grad_input, grad_h0, grad_params)`` of nvdnn.gru's output and h_n given their gradients
     (``grad_h_n`` None: zeros); the rest as lstm_backward, ``reserve`` from
     ``nvdnn.gru(..., training=True)``."""
     return _public("gru", grad_output, grad_h_n, input, hx, params, reserve, dict(
         num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
-        dropout=dropout, dropout_masks=dropout_masks, stream=stream))
+        dropout=dropout, dropout_seed=dropout_seed, dropout_masks=dropout_masks, stream=stream))

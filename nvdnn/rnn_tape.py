@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes
+from . import dropout_seed_words, dtypes
 from . import functional_checks as checks
 from .errors import UnsupportedError, ValidationError
 from .rnn_params import RNNLayout
 
-OPTIONS = ("num_layers", "bidirectional", "batch_first", "bias")   # what a Reserve and its backward must share
+OPTIONS = ("num_layers", "bidirectional", "batch_first", "bias", "dropout", "dropout_seed")  # a Reserve's and
+# its backward's: the tape holds each inner layer's output as dropped
 
 
 class Reserve:
@@ -118,8 +119,9 @@ def tape_of(reserve, mode: str, input, lengths, options: dict):
     if reserve.mode != mode:
         raise ValidationError(f"reserve: made by nvdnn.{reserve.mode}; this is {mode}'s backward", arg="reserve")
     for name, value in options.items():
-        if reserve.options[name] != value:
-            raise ValidationError(f"reserve: made with {name}={reserve.options[name]!r}; this call has "
+        made = reserve.options[name]
+        if not (dropout_seed_words.same_seed(made, value) if name == "dropout_seed" else made == value):
+            raise ValidationError(f"reserve: made with {name}={made!r}; this call has "
                                   f"{name}={value!r}", arg="reserve")
     shape = getattr(input, "shape", None)
     if shape is not None and tuple(shape) != reserve.input_shape:

@@ -1,8 +1,8 @@
 """nvdnn.lstm and nvdnn.gru on the GPU against the float64 reference (nvdnn.reference.lstm / gru
 on the same rounded inputs), outputs NaN-poisoned: one and two layers, both directions,
 batch_first and unbatched, hidden 1, 7 and 129, a step of 1, a batch of 1, lengths (0, 1, full),
-proj_size, no biases, given and zero initial states, float32 / fp16 / bf16; then torch tensors and
-a module's own weights against torch.nn.LSTM / GRU."""
+proj_size, no biases, given and zero initial states, between-layer dropout, float32 / fp16 / bf16;
+then torch tensors and a module's own weights against torch.nn.LSTM / GRU."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,6 +42,11 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
     "lstm_hidden_1024_batch_64": ("lstm", 24, 64, 32, 1024, {}),
     "gru_hidden_1000_lengths": ("gru", 40, 5, 16, 1000, dict(lengths=[40, 17, 1, 0, 39])),
     "lstm_300_steps_batch_33_bidirectional": ("lstm", 300, 33, 8, 256, dict(bidirectional=True, batch_first=True)),
+    # between-layer dropout: the reference draws the kernel's masks from the same seed
+    "lstm_three_layers_dropout": ("lstm", 6, 3, 5, 8, dict(num_layers=3, bidirectional=True, dropout=0.3,
+                                                         dropout_seed=(5, 1))),
+    "gru_dropout_batch_first": ("gru", 5, 4, 6, 16, dict(num_layers=2, batch_first=True, dropout=0.5,
+                                                        dropout_seed=77)),
 }
 
 
@@ -104,6 +109,26 @@ def test_rnn_matches_float64(name, dtype, path, with_state, monkeypatch):
         assert g.shape == w.shape and not np.isnan(g).any(), f"{name}: {what} {g.shape} / NaN"
         err = np.abs(g - w).max()
         assert err <= TOL[dtype], f"{name} {dtype}: {what} max error {err:.3g}"
+
+
+def test_a_device_dropout_seed_is_read_at_run_time():
+    """dropout_seed as a device {seed, offset} array: the int pair's draw, and a replay after the
+    array changes draws the new seed's (a recorded call reads it at launch)."""
+    import cupy
+
+    import nvdnn
+    mode, _, options, (_, _, x, hx, host) = problem("lstm_three_layers_dropout", "float32", False,
+                                                    np.random.default_rng(2))
+    args = (cupy.asarray(x), None, [cupy.asarray(p) for p in host])
+    options = {k: v for k, v in options.items() if k != "dropout_seed"}
+    words = cupy.asarray(np.array([5, 1], np.int64))
+    first = [cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=words)[0]) for _ in range(2)]
+    np.testing.assert_array_equal(first[1], cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=(5, 1))[0]))
+    np.testing.assert_array_equal(first[0], first[1])
+    words[0] = 6
+    changed = cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=words)[0])
+    np.testing.assert_array_equal(changed, cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=6)[0]))
+    assert not np.array_equal(changed, first[0])
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])

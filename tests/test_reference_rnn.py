@@ -203,6 +203,31 @@ def test_dropout_masks_scale_the_outputs_between_layers(mode):
         RUN[mode](x, hx, params, **dict(options, dropout_masks=[problem.masks[0], problem.masks[1][:, :1]]))
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_a_dropout_seed_draws_the_kernels_masks(mode):
+    """dropout_seed gives each inner layer its own rnn_dropout_mask draw, kept values scaled at
+    dropout's 16-bit rounding: the same result as those masks given."""
+    problem = Case(np.random.default_rng(4), mode, 3, 4, 0, 3, True, 5, 2, None, dropout=0.3)
+    x, hx, params, options = problem.call("time_major", True)
+    seeded = RUN[mode](x, hx, params, **dict(options, dropout_masks=None, dropout_seed=(9, 4)))
+    shape = (5, 2, 8)
+    masks = [ref.rnn_dropout_mask(shape, 0.3, 9, 4, layer) for layer in range(2)]
+    assert not np.array_equal(masks[0], masks[1])
+    dropped = round(0.3 * 65536) / 65536
+    given = RUN[mode](x, hx, params, **dict(options, dropout=dropped, dropout_masks=masks))
+    np.testing.assert_allclose(seeded[0], given[0], rtol=1e-12, atol=1e-14)
+
+
+def test_the_rnn_dropout_draw_keeps_its_share_and_depends_on_every_key():
+    shape = (64, 16, 100)
+    kept = ref.rnn_dropout_mask(shape, 0.25, 123, 0, 0)
+    assert kept.shape == shape and abs(kept.mean() - 0.75) < 0.01
+    for other in [(124, 0, 0), (123, 1, 0), (123, 0, 1)]:
+        assert abs((kept == ref.rnn_dropout_mask(shape, 0.25, *other)).mean() - 0.625) < 0.01
+    assert ref.rnn_dropout_mask(shape, 0.0, 1).all()
+    assert not ref.rnn_dropout_mask(shape, 1.0, 1).any()
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
 def test_low_precision_inputs_are_computed_in_float64(dtype):
     rng = np.random.default_rng(1)

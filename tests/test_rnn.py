@@ -47,7 +47,12 @@ def _lstm_params(dtype=np.float32, hidden=H, inputs=I):
     ((np.zeros((0, 2, I), np.float32), None, _lstm_params()), {}, ValidationError, "one step"),
     ((np.zeros((3, 0, I), np.float32), None, _lstm_params()), {}, ValidationError, "one sequence"),
     ((np.zeros((3, 2, I), np.float32), None, _lstm_params() + _lstm_params(inputs=H)), dict(num_layers=2, dropout=0.2),
-     UnsupportedError, "between-layer"),
+     ValidationError, "dropout_seed: dropout=0.2 needs the seed"),
+    ((np.zeros((3, 2, I), np.float32), None, _lstm_params() + _lstm_params(inputs=H)),
+     dict(num_layers=2, dropout=0.2, dropout_seed=(1, 2 ** 32)), ValidationError, "offset 32 bits"),
+    ((np.zeros((3, 2, I), np.float32), None, _lstm_params() + _lstm_params(inputs=H)),
+     dict(num_layers=2, dropout=0.2, dropout_seed=1, dropout_masks=[np.ones((3, 2, H), bool)]), UnsupportedError,
+     "dropout_masks: the GPU path draws its own"),
     ((np.zeros((3, 2, 1, I), np.float32), None, _lstm_params()), {}, ValidationError, "input: shape"),
 ])
 def test_bad_arguments_are_named_before_device_work(args, kwargs, error, match):
@@ -130,6 +135,25 @@ def _cell(plan, tensors, stream=None):
     rows("y", y_sb, hidden)[...] = np.where(active, h_io, 0)
 
 
+def host_dropout(plan, tensors):
+    """templates/rnn/dropout.cu.j2 in NumPy: the reference's draw, written through the plan's strides."""
+    (launch,) = plan.launches
+    assert launch.pointers == rnn.DROPOUT_POINTERS
+    total, batch, features, st, sb, layer, threshold, scale = (a.item() for a in launch.args)
+    seed, offset = (int(v) for v in tensors["dropout_seed"])
+    shape = (total // (batch * features), batch, features)
+    kept = nvdnn.reference.rnn_dropout_mask(shape, threshold / 65536, seed, offset, layer)
+    dst, src = tensors["dst"], tensors["src"]
+    view = lambda a: np.lib.stride_tricks.as_strided(a, shape, (st * a.itemsize, sb * a.itemsize, a.itemsize))  # noqa
+    view(dst)[...] = np.where(kept, view(src).astype(np.float64) * scale, 0)
+
+
+def _host_launch(plan, tensors, stream=None):
+    """The host fixture's launcher: the cell kernel's stand-in, or the dropout's."""
+    dropout = isinstance(plan.launches[0].spec, rnn.RNNDropoutSpec)
+    return (host_dropout if dropout else _cell)(plan, tensors)
+
+
 def host_matmul(a, b, bias=None, *, residual=None, dtype=None, out=None, stream=None):
     """nvdnn.matmul in float64 (NumPy arrays), its result rounded to ``dtype`` (default a's) or
     written into ``out``."""
@@ -161,7 +185,7 @@ def host_device(monkeypatch):
     monkeypatch.setattr(arrays, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
     monkeypatch.setattr(functional_rnn, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
-    monkeypatch.setattr(functional_rnn.launcher, "run", _cell)
+    monkeypatch.setattr(functional_rnn.launcher, "run", _host_launch)
 
 
 def full_path(mode, *args, **options):

@@ -15,7 +15,7 @@ from nvdnn import codegen, dtypes, functional_anchors, functional_rnn, functiona
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
 from nvdnn.kernels import rnn, rnn_persistent
 
-from .test_rnn import _cell, host_device, host_matmul, module_weights, rows_of
+from .test_rnn import _cell, host_device, host_dropout, host_matmul, module_weights, rows_of
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,7 @@ def test_the_inference_kernels_keep_their_keys():
         assert "train" not in plain.to_dict()["fields"] and plain.uri == f"rnn/{mode}_cell/f16"
         assert " th," not in codegen.render(plain) and " th," in codegen.render(train)
         assert train.uri.endswith("/train") and train.digest != plain.digest
-    assert {type(s) for s in rnn.preset()} == {rnn.RNNCellSpec, rnn.RNNCellBackwardSpec}
+    assert {type(s) for s in rnn.preset()} == {rnn.RNNCellSpec, rnn.RNNCellBackwardSpec, rnn.RNNDropoutSpec}
 
 
 def test_a_backward_step_plan_is_one_launch_over_every_unit():
@@ -66,7 +66,8 @@ def _tape(gates=4, hidden=H, layers=1, dtype=np.float32):
 
 
 def _reserve(mode="lstm", tape=None, lengths=None, **options):
-    given = {**dict(num_layers=1, bidirectional=False, batch_first=False, bias=True), **options}
+    given = {**dict(num_layers=1, bidirectional=False, batch_first=False, bias=True, dropout=0.0, dropout_seed=None),
+             **options}
     return rnn_tape.Reserve(mode, given, (T, B, I), lengths, _tape() if tape is None else tape)
 
 
@@ -83,6 +84,8 @@ def _reserve(mode="lstm", tape=None, lengths=None, **options):
     ("lstm", _args(), dict(reserve="tape"), ValidationError, "reserve: a str"),
     ("lstm", _args(), dict(reserve=_reserve("gru")), ValidationError, "made by nvdnn.gru"),
     ("lstm", _args(), dict(reserve=_reserve(batch_first=True)), ValidationError, "batch_first=True"),
+    ("lstm", _args(), dict(reserve=_reserve(dropout=0.5, dropout_seed=(3, 1)), dropout=0.5, dropout_seed=3),
+     ValidationError, r"dropout_seed=\(3, 1\)"),
     ("lstm", _args(input=np.zeros((T + 1, B, I), np.float32)), dict(reserve=_reserve()), ValidationError,
      r"input of shape \(3, 2, 5\)"),
     ("lstm", _args(), dict(reserve=_reserve(lengths=[3, 1]), lengths=[3, 2]), ValidationError, r"lengths \[3, 1\]"),
@@ -184,7 +187,8 @@ def _cell_backward(plan, tensors):
 
 def _launch(plan, tensors, stream=None):
     spec = plan.launches[0].spec
-    return (_cell if isinstance(spec, rnn.RNNCellSpec) else _cell_backward)(plan, tensors)
+    kernel = {rnn.RNNCellSpec: _cell, rnn.RNNDropoutSpec: host_dropout}.get(type(spec), _cell_backward)
+    return kernel(plan, tensors)
 
 
 def _host_cast(x, kind, *, out=None):
@@ -219,6 +223,8 @@ CASES = [  # mode, T, B (None: unbatched), hidden, options
     ("lstm", 1, 1, 1, {}),
     ("gru", 5, 4, 6, dict(num_layers=2, bidirectional=True, lengths=np.array([5, 2, 1, 0]))),
     ("gru", 3, 2, 9, dict(batch_first=True, bias=False, num_layers=2)),
+    ("lstm", 4, 3, 6, dict(num_layers=3, bidirectional=True, dropout=0.4, dropout_seed=(7, 3))),
+    ("gru", 3, 5, 9, dict(batch_first=True, num_layers=2, dropout=0.5, dropout_seed=11)),
 ]
 
 

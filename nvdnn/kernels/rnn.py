@@ -1,8 +1,8 @@
 """Recurrent cells (LSTM, GRU): the step kernels of the per-step path, forward and backward. A
 layer's input projection of every time step is one GEMM on the matmul core and each step's
 recurrent product another (the functional layer plans both); the forward kernel applies the
-gates to their float32 sums and updates the state (templates/rnn/cell.cu.j2 says how). A
-persistent kernel holding W_hh across steps, for small batches, is still to come.
+gates to their float32 sums and updates the state (templates/rnn/cell.cu.j2 says how). Small
+batches take the persistent kernel instead (rnn_persistent.py), every step in one launch.
 
 Pointers: y (the step's output rows), h (the running state, io type), c (LSTM: float32 state),
 c_out, xg, hg, hb (b_hh), h0, c0, lengths (c, c_out and the last five may be null), and for the
@@ -18,6 +18,10 @@ weight gradients and dx over every step at once). Its pointers: dg, dgh (GRU's h
 gradients), dh, dc, dc_out, tape, th, dy, dh_n, dc_n, lengths (those a mode does not use, and
 dh_n, dc_n and lengths, may be null); then batch, hidden, t, first, last and the row strides of
 dy / th, the tape and dg / dgh.
+
+Between layers, dropout (templates/rnn/dropout.cu.j2, its own spec) drops a layer's output in
+place before the next layer's GEMM reads it, and the backward drops the gradient handed down
+with the same draw. Pointers: dst, src, the {seed, offset} words.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import UnsupportedError
+from ..reference.dropout import RNN_TAG, dropout_threshold
 from ..spec import KernelSpec, one_of, optional_field
 from . import Launch, Plan
 
@@ -36,6 +41,7 @@ THREADS = 256
 POINTERS = ("y", "h", "c", "c_out", "xg", "hg", "hb", "h0", "c0", "lengths")
 TRAIN_POINTERS = POINTERS + ("th",)
 BACKWARD_POINTERS = ("dg", "dgh", "dh", "dc", "dc_out", "tape", "th", "dy", "dh_n", "dc_n", "lengths")
+DROPOUT_POINTERS = ("dst", "src", "dropout_seed")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,30 @@ class RNNCellBackwardSpec(KernelSpec):
         return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "mode": self.mode}
 
 
+@dataclass(frozen=True)
+class RNNDropoutSpec(KernelSpec):
+    """Between-layer dropout, forward and backward (templates/rnn/dropout.cu.j2)."""
+    family = "rnn_dropout"
+    template = "rnn/dropout.cu.j2"
+    tiles_exact = True
+
+    dtype: str
+
+    def validate(self) -> None:
+        one_of(self.dtype, DTYPES, "dtype")
+
+    @property
+    def uri(self) -> str:
+        return f"rnn_dropout/{dtypes.BY_NAME[self.dtype].short}"
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_rnn_dropout"
+
+    def render_context(self) -> dict:
+        return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "rnn_tag": RNN_TAG}
+
+
 def check_units(batch: int, hidden: int) -> None:
     """The cell kernel's thread a (sequence, hidden unit) counts in 32 bits."""
     if batch * hidden >= 2 ** 31:
@@ -119,6 +149,18 @@ def plan_cell_backward(mode: str, dtype: str, batch: int, hidden: int, *, t: int
                         BACKWARD_POINTERS, args),))
 
 
+def plan_dropout(dtype: str, shape: tuple, *, st: int, sb: int, layer: int, p: float) -> Plan:
+    """Layer ``layer``'s dropout over a (T, B, F) output (F packed; time and batch strides in
+    elements), in place or from ``src`` into ``dst``, with the {seed, offset} words at
+    ``seed``. Kept values scale by 1 / (1 - p) at p's 16-bit rounding (dropout_threshold)."""
+    threshold, dropped = dropout_threshold(p)
+    total = int(np.prod(shape))
+    args = (np.int64(total), np.int32(shape[1]), np.int32(shape[2]), np.int64(st), np.int64(sb), np.uint32(layer),
+            np.uint32(threshold), np.float32(1.0 / (1.0 - dropped) if dropped < 1 else 0.0))
+    return Plan((Launch(RNNDropoutSpec(dtype), (-(-total // (8 * THREADS)), 1, 1), (THREADS, 1, 1), 0,
+                        DROPOUT_POINTERS, args),))
+
+
 def unsupported_reason(spec, arch: str) -> str | None:
     return None
 
@@ -128,6 +170,6 @@ def candidates(spec) -> list:
 
 
 def preset() -> list:
-    """Both cells in every type: inference, training forward and backward."""
+    """Both cells in every type: inference, training forward and backward; the dropout."""
     return [RNNCellSpec(mode, dtype, train) for train in (False, True) for mode in MODES for dtype in DTYPES] + [
-        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES]
+        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES] + [RNNDropoutSpec(d) for d in DTYPES]

@@ -7,7 +7,7 @@ and inf propagate as in PyTorch, except where an op defines otherwise (a fully m
 row gives zeros).
 """
 from .attention import decode_attention, scaled_dot_product_attention, scaled_dot_product_attention_backward, varlen
-from .dropout import attention_dropout_mask
+from .dropout import attention_dropout_mask, rnn_dropout_mask
 from .conv import conv2d, conv2d_backward, conv2d_backward_data, conv2d_backward_weight, conv2d_output_size
 from .matmul import matmul, matmul_backward, matmul_chain
 from .norm import (causal_mask, cross_entropy, layer_norm, layer_norm_backward, log_softmax, log_softmax_backward,

@@ -13,6 +13,12 @@ counter-based generator: Salmon, Moraes, Dror and Shaw, SC'11) fall below
 so one draw serves the 2 x 2 x 2 scores an MMA thread holds in either orientation (queries or
 keys as rows). Kept scores are scaled by 65536 / (65536 - threshold): dropout_p rounds to a
 multiple of 2^-16 and the result stays unbiased.
+
+The RNN's between-layer dropout draws over layer k's output, element e = (t * B + b) * F + f of
+its time-major (T, B, F) shape, with the same threshold and scale:
+
+    words = philox4x32_10(counter=(e >> 3 low word, e >> 3 high word, RNN_TAG | k, offset), key as above)
+    bits = words[(e >> 1) & 3] >> (16 * (e & 1)) & 0xffff
 """
 from __future__ import annotations
 
@@ -53,3 +59,18 @@ def attention_dropout_mask(shape, dropout_p: float, seed: int, offset: int = 0):
     chosen = np.choose(np.broadcast_to(word, np.broadcast_shapes(word.shape, words[0].shape)), words)
     bits = (chosen >> (16 * (j & 1)).astype(np.uint32)) & 0xFFFF
     return bits >= threshold
+
+
+RNN_TAG = 0x524E4E00  # "RNN\0": keeps the RNN's draws apart from attention's under one seed
+
+
+def rnn_dropout_mask(shape, dropout_p: float, seed: int, offset: int = 0, layer: int = 0):
+    """The kept outputs (bool, True = kept) of layer ``layer``'s time-major output ``shape``
+    (T, B, F) that the RNN's dropout kernel draws for ``dropout_p`` from ``seed`` and ``offset``."""
+    threshold, _ = dropout_threshold(dropout_p)
+    e = np.arange(int(np.prod(shape)), dtype=np.int64)
+    group = e >> 3
+    words = philox4x32_10((group & 0xFFFFFFFF, group >> 32, RNN_TAG | layer, offset),
+                          (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    bits = (np.choose((e >> 1) & 3, words) >> (16 * (e & 1)).astype(np.uint32)) & 0xFFFF
+    return (bits >= threshold).reshape(shape)

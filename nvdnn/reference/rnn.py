@@ -16,6 +16,8 @@ lengths[b] - 1 down), as a packed sequence: its outputs past that are zeros and 
 the state after its last step (h0 / c0 for length 0). With ``dropout`` > 0 (training) the output
 of layer k < num_layers - 1 is multiplied by dropout_masks[k] / (1 - dropout) before layer k + 1
 reads it; a mask is boolean, of that output's time-major shape (T, B, directions * out_size).
+Given ``dropout_seed`` (the GPU calls') instead, the masks are the kernels' draw
+(nvdnn.reference.dropout.rnn_dropout_mask, dropout at its 16-bit rounding).
 
 The backward is backpropagation through time in float64, replaying the forward's steps; one
 driver runs both cells, which differ only in their step and its derivative. As on the GPU, a
@@ -29,9 +31,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..rnn_params import RNNLayout, flatten, parse_params
+from .dropout import dropout_threshold, rnn_dropout_mask
 from .pointwise import _f64, sigmoid
 
-OPTIONS = ("num_layers", "bidirectional", "batch_first", "bias", "lengths", "dropout", "dropout_masks")
+OPTIONS = ("num_layers", "bidirectional", "batch_first", "bias", "lengths", "dropout", "dropout_seed",
+           "dropout_masks")
 
 
 class _Problem(NamedTuple):
@@ -153,17 +157,22 @@ def _live(lengths, steps: int, batch: int):
     return np.arange(steps)[:, None] < n[None, :]
 
 
-def _keep(layout: RNNLayout, dropout, masks, steps: int, batch: int, batched: bool) -> list:
+def _keep(layout: RNNLayout, dropout, seed, masks, steps: int, batch: int, batched: bool) -> list:
     between = layout.num_layers - 1
     if not 0 <= dropout <= 1:
         raise ValueError(f"dropout: {dropout}; needs 0 <= dropout <= 1")
     if not dropout or not between:
         return [None] * between
+    shape = (steps, batch, layout.directions * layout.out_size)
+    if masks is None and seed is not None:  # the kernels' draw
+        seed, offset = tuple(int(v) for v in np.asarray(seed).reshape(-1)) if np.ndim(seed) else (int(seed), 0)
+        dropped = dropout_threshold(dropout)[1]
+        return [rnn_dropout_mask(shape, dropout, seed, offset, k) / (1.0 - dropped) if dropped < 1
+                else np.zeros(shape) for k in range(between)]
     if masks is None or len(masks) != between:
         given = "none" if masks is None else len(masks)
         raise ValueError(f"dropout_masks: dropout {dropout} between {layout.num_layers} layers needs {between} "
                          f"boolean masks of the kept outputs, got {given}")
-    shape = (steps, batch, layout.directions * layout.out_size)
     needed = shape if batched else (steps, shape[2])
     keep = []
     for k, mask in enumerate(masks):
@@ -182,7 +191,7 @@ def _weights(layout: RNNLayout, given: dict) -> dict:
 
 
 def _setup(mode: str, input, hx, params, *, num_layers, bidirectional, batch_first, bias, lengths, dropout,
-           dropout_masks) -> _Problem:
+           dropout_seed, dropout_masks) -> _Problem:
     x = _f64(input)
     if x.ndim not in (2, 3):
         raise ValueError(f"input: shape {x.shape}; needs (T, B, input_size), (B, T, input_size) with batch_first, "
@@ -195,7 +204,8 @@ def _setup(mode: str, input, hx, params, *, num_layers, bidirectional, batch_fir
     names = ("h0", "c0") if mode == "lstm" else ("hx",)
     return _Problem(layout, x, _states(layout, _state_values(mode, hx, "hx"), names, batch, batched),
                     [[_weights(layout, p) for p in layer] for layer in given], _live(lengths, steps, batch),
-                    _keep(layout, dropout, dropout_masks, steps, batch, batched), batched, bool(batch_first))
+                    _keep(layout, dropout, dropout_seed, dropout_masks, steps, batch, batched), batched,
+                    bool(batch_first))
 
 
 def _options(arguments: dict) -> dict:
@@ -318,7 +328,7 @@ def _run_backward(mode: str, grad_output, grad_states, input, hx, params, option
 
 
 def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-         dropout=0.0, dropout_masks=None, training=False):
+         dropout=0.0, dropout_seed=None, dropout_masks=None, training=False):
     """(output, (h_n, c_n)) of nn.LSTM, as the module docstring says. input (T, B, I), (B, T, I)
     with batch_first, or unbatched (T, I); hx (h0, c0) of (layers * directions, B, out_size) and
     (..., B, hidden_size), or None for zeros; params as nvdnn.rnn_params.parse_params takes them.
@@ -327,14 +337,14 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
 
 
 def gru(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False, bias=True, lengths=None,
-        dropout=0.0, dropout_masks=None, training=False):
+        dropout=0.0, dropout_seed=None, dropout_masks=None, training=False):
     """(output, h_n) of nn.GRU; arguments as lstm's, hx one (layers * directions, B, hidden_size) array or None."""
     output, (h_n,), *reserve = _run("gru", input, hx, params, _options(locals()), training)
     return (output, h_n, *reserve)
 
 
 def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                  bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None):
+                  bias=True, lengths=None, dropout=0.0, dropout_seed=None, dropout_masks=None, reserve=None):
     """(grad_input, (grad_h0, grad_c0), grad_params) of lstm's output and (h_n, c_n) given their
     gradients: grad_hx (grad_h_n, grad_c_n), either (or the pair) None for zeros. grad_params:
     float64, in _flat_weights order; grad_h0 / grad_c0 come also for hx None (zeros then).
@@ -343,7 +353,7 @@ def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidi
 
 
 def gru_backward(grad_output, grad_h_n, input, hx, params, *, num_layers=1, bidirectional=False, batch_first=False,
-                 bias=True, lengths=None, dropout=0.0, dropout_masks=None, reserve=None):
+                 bias=True, lengths=None, dropout=0.0, dropout_seed=None, dropout_masks=None, reserve=None):
     """(grad_input, grad_h0, grad_params) of gru's output and h_n (grad_h_n None: zeros); ``reserve``
     as lstm_backward's."""
     grad_input, (grad_h0,), grad_params = _run_backward("gru", grad_output, grad_h_n, input, hx, params,
