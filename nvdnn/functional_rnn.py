@@ -11,13 +11,12 @@ nvdnn/rnn_tape.py; functional_rnn_backward has the backward.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from . import arrays, callsite, dropout_seed_words, dtypes, launcher, rnn_tape, runtime
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
-from .functional import cast
+from .functional import cast, scale
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .kernels import rnn_persistent
@@ -103,7 +102,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     check_no_masks(dropout_masks)
     layout, weights, steps, batch = _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias,
                                            lengths, dropout, dropout_seed)
-    training = rnn_tape.trains(training, layout, mode)
+    training = checks.flag(training, mode, "training")
     checks.device()
     if training:
         checks.unmeasured(f"nvdnn.{mode}", "training forward (the tape for its backward)", "training")
@@ -175,7 +174,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     "hb": w["b_hh"] if previous is None and w["b_hh"] is not None else _NULL,
                     "h0": _NULL if start is None or layout.proj_size else start,
                     "c0": xs["c0"][state] if "c0" in xs else _NULL, "lengths": lens if lens is not None else _NULL,
-                    "th": at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else _NULL},
+                    "th": at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape and h_full is None else _NULL},
                     stream=stream)
                 if h_full is not None:
                     matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
@@ -184,6 +183,9 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     previous = h_n[state]
             if layout.proj_size:  # h_n: the last step's projected h, which lies in y
                 cast(previous, kind, out=h_n[state])
+                if tape:
+                    columns = (Ellipsis, slice(d * out, (d + 1) * out))
+                    _projected_tape(y_layer[columns], tape[1][layer][columns], start, d == 1, batch_first)
         if seed and layer < layout.num_layers - 1:  # what the next layer reads (and the tape keeps)
             drop_between(y_layer, layer, dropout, seed, batch_first, stream)
         layer_in = y_layer
@@ -211,6 +213,21 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "w_hh": w_hh, "b_hh": w["b_hh"] if w["b_hh"] is not None else _NULL,
         "h0": xs["h0"][state] if "h0" in xs else _NULL, "c0": xs["c0"][state] if "c0" in xs else _NULL,
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
+
+
+def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool) -> None:
+    """A projection's h_prev tape (the cell kernel's h is the unprojected one): each step's
+    previous output, from y, and h0 (zeros without one) at the first step taken."""
+    steps = y_dir.shape[1 if batch_first else 0]
+    at = (lambda a, s: a[:, s]) if batch_first else (lambda a, s: a[s])  # noqa: E731
+    first, earlier, later = (steps - 1, slice(1, steps), slice(0, steps - 1)) if reverse else (
+        0, slice(0, steps - 1), slice(1, steps))
+    if steps > 1:
+        cast(at(y_dir, earlier), y_dir.dtype, out=at(th_dir, later))
+    if h0 is not None:
+        cast(h0, y_dir.dtype, out=at(th_dir, first))
+    else:  # y's row is finite: written by the projection's GEMM
+        scale(at(y_dir, first), 0.0, out=at(th_dir, first))
 
 
 def check_no_masks(dropout_masks) -> None:

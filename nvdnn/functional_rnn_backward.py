@@ -7,7 +7,9 @@ W_hh with float32 sums (the forward's first step's lands in grad_h0). Then over 
 once: dW_ih = dG_ih^T X and dW_hh = dG_hh^T H_prev (one GEMM each over T*B rows), db_ih and
 db_hh as column sums of dG (nvdnn.sum), and dx = dG_ih W_ih, the second direction's added in
 the GEMM's epilogue: the gradient of the layer below's output. GRU's hh gate gradients differ
-from the ih ones in n (d_n * r) and take a buffer of their own; an LSTM's are one.
+from the ih ones in n (d_n * r) and take a buffer of their own; an LSTM's are one. An LSTM with
+a projection runs the step's GEMM through W_hr first (_Projection) and its recurrent GEMM into
+the projected state's gradient.
 
 Given no reserve the backward runs the training forward itself first. A call's launches are
 recorded as one; the public functions unwrap the Reserve, since a replay takes arrays, not
@@ -20,7 +22,7 @@ import numpy as np
 from . import arrays, callsite, dropout_seed_words, functional_anchors, functional_rnn, launcher, rnn_tape
 from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
-from .functional import cast
+from .functional import add, cast, elementwise, mul
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .rnn_params import KEYS
@@ -32,13 +34,12 @@ def _check(mode, grad_output, grad_states, input, hx, params, options: dict, tap
     """The forward's rules (functional_rnn._check), a projection refused, the gradients' shapes
     and types, the reserve's arrays: all before any device work. (layout, weights, T, B, type)."""
     layout, weights, steps, batch = functional_rnn._check(mode, input, hx, params, **options)
-    rnn_tape.check_backward(layout)
     x = checks.describe(input, "input")
     meta = checks.describe(grad_output, "grad_output")
-    want = x.shape[:-1] + (layout.directions * layout.hidden_size,)
+    want = x.shape[:-1] + (layout.directions * layout.out_size,)
     if meta.shape != want:
         raise ValidationError(f"grad_output: shape {meta.shape}; needs the output's {want} (the input's, its last "
-                              "dim directions * hidden)", arg="grad_output")
+                              "dim directions * (proj_size or hidden))", arg="grad_output")
     if meta.dtype != x.dtype:
         raise DTypeError(f"grad_output: data type {meta.dtype}; needs the input's {x.dtype}", arg="grad_output")
     names = ("grad_hx", "grad_h_n", "grad_c_n") if mode == "lstm" else ("grad_h_n", "grad_h_n", "grad_c_n")
@@ -51,7 +52,7 @@ def _check(mode, grad_output, grad_states, input, hx, params, options: dict, tap
 
 def _output_shape(layout, steps: int, batch: int, batch_first: bool) -> tuple:
     """A batched forward's output shape (unbatched input runs as a batch of one, time-major)."""
-    width = layout.directions * layout.hidden_size
+    width = layout.directions * layout.out_size
     return (batch, steps, width) if batch_first else (steps, batch, width)
 
 
@@ -100,13 +101,13 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
     if unbatched:
         x, dy, batch_first = x[:, None], dy[:, None], False
         xs.update((r, xs[r][:, None]) for r in ("dh_n", "dc_n") if r in xs)
-    dirs, hidden, gates = layout.directions, layout.hidden_size, layout.gates
+    dirs, hidden, gates, out = layout.directions, layout.hidden_size, layout.gates, layout.out_size
     y_shape = _output_shape(layout, steps, batch, batch_first)
     lens = None if lengths is None else arrays.device_vector(
         cp, np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, np.int32, "lengths")
     grad_x = cp.empty(x.shape, dtype=x.dtype)
-    grad_h0 = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype)
-    grad_c0 = cp.empty(grad_h0.shape, dtype=x.dtype) if mode == "lstm" else None
+    grad_h0 = cp.empty((layout.num_layers * dirs, batch, out), dtype=x.dtype)
+    grad_c0 = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
     grads = [[{} for _ in range(dirs)] for _ in range(layout.num_layers)]
     at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
     seed = dropout_seed_words.device_input(cp, dropout, dropout_seed)[0] if layout.num_layers > 1 else {}
@@ -117,32 +118,40 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
         d_in = grad_x if layer == 0 else functional_rnn._scratch(cp, y_shape, kind)  # the layer below's d output
         for d in range(dirs):
             w = {name: xs.get(f"{name}.{layer}.{d}") for name in KEYS}
-            state, cols = layer * dirs + d, slice(d * hidden, (d + 1) * hidden)
+            state, cols = layer * dirs + d, slice(d * out, (d + 1) * out)
             dg = functional_rnn._scratch(cp, (rows.shape[0], gates * hidden), kind)
             dgh = dg if mode == "lstm" else functional_rnn._scratch(cp, dg.shape, kind)
             dg_steps, dgh_steps = (g.reshape(y_shape[:2] + (gates * hidden,)) for g in (dg, dgh))
             tape_steps = tape[0][layer, d].reshape(y_shape[:2] + (-1,))
             dh = functional_rnn._scratch(cp, (batch, hidden), "float32")
             dc = functional_rnn._scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
+            projection = _Projection(cp, rows.shape[0], y_shape, batch, out, kind) if layout.proj_size else None
             order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the forward's steps, the last first
             for k, t in enumerate(order):
                 dy_t, tape_t, dg_t, dgh_t = (at_step(a, t) for a in (d_out, tape_steps, dg_steps, dgh_steps))
                 dy_t = dy_t[:, cols]
                 last = k == steps - 1
+                if projection:  # dh = (dy + the recurrent part) W_hr: the cell kernel's whole dh
+                    projection.gradient(at_step(projection.d_steps, t), dy_t, xs["dh_n"][state] if "dh_n" in xs
+                                        else None, k == 0, w["w_hr"], dh, stream)
                 plan = family.plan_cell_backward(mode, kind, batch, hidden, t=t, first=k == 0, last=last,
                                                  y_sb=_rows(dy_t), tape_sb=_rows(tape_t), dg_sb=_rows(dg_t))
                 launcher.run(plan, {
                     "dg": dg_t, "dgh": dgh_t if mode == "gru" else _NULL, "dh": dh, "tape": tape_t,
                     "dc": dc if dc is not None else _NULL, "dc_out": grad_c0[state] if grad_c0 is not None else _NULL,
-                    "th": at_step(tape[1][layer], t)[:, cols] if mode == "gru" else _NULL, "dy": dy_t,
-                    "dh_n": xs["dh_n"][state] if "dh_n" in xs else _NULL,
+                    "th": at_step(tape[1][layer], t)[:, cols] if mode == "gru" else _NULL,
+                    "dy": _NULL if projection else dy_t,
+                    "dh_n": xs["dh_n"][state] if "dh_n" in xs and not projection else _NULL,
                     "dc_n": xs["dc_n"][state] if "dc_n" in xs else _NULL,
                     "lengths": lens if lens is not None else _NULL}, stream=stream)
-                matmul(dgh_t, w["w_hh"], residual=dh, out=grad_h0[state] if last else dh,
+                target = grad_h0[state] if last else projection.dh if projection else dh
+                matmul(dgh_t, w["w_hh"], residual=None if projection else dh, out=target,
                        dtype=kind if last else "float32", stream=stream)
             g = grads[layer][d]
+            if projection:
+                g["w_hr"] = projection.weight_gradient(tape[0][layer, d], hidden, stream)
             g["w_ih"] = matmul(dg.T, rows, dtype=kind, stream=stream)
-            g["w_hh"] = matmul(dgh.T, tape[1][layer].reshape(-1, dirs * hidden)[:, cols], dtype=kind, stream=stream)
+            g["w_hh"] = matmul(dgh.T, tape[1][layer].reshape(-1, dirs * out)[:, cols], dtype=kind, stream=stream)
             if layout.bias:
                 g["b_ih"] = functional_anchors.sum(dg, axis=0, dtype=kind, stream=stream)
                 if mode == "gru":
@@ -161,6 +170,39 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
         grad_x, grad_h0, grad_c0 = back(grad_x), back(grad_h0), None if grad_c0 is None else back(grad_c0)
         flat = tuple(map(back, flat))
     return grad_x, grad_h0 if grad_c0 is None else (grad_h0, grad_c0), flat
+
+
+class _Projection:
+    """An LSTM projection's part of a direction's backward (h = W_hr (o tanh(c))): the running
+    gradient of the projected state (float32) and every step's gradient of it in the io type,
+    rows as the layer output's, for dW_hr."""
+
+    def __init__(self, cp, rows: int, y_shape: tuple, batch: int, out: int, kind: str):
+        self.kind = kind
+        self.dh = functional_rnn._scratch(cp, (batch, out), "float32")
+        self.d_rows = functional_rnn._scratch(cp, (rows, out), kind)
+        self.d_steps = self.d_rows.reshape(y_shape[:2] + (out,))
+
+    def gradient(self, d_t, dy_t, dh_n, first: bool, w_hr, dh, stream) -> None:
+        """Step t's gradient of the projected h into d_t (dy_t and the recurrent part: dh_n on the
+        first step taken), and through W_hr the unprojected one into ``dh``."""
+        if not first:
+            add(dy_t, self.dh, out=d_t)
+        elif dh_n is not None:
+            add(dy_t, dh_n, out=d_t)
+        else:
+            cast(dy_t, self.kind, out=d_t)
+        matmul(d_t, w_hr, out=dh, dtype="float32", stream=stream)
+
+    def weight_gradient(self, gates, hidden: int, stream):
+        """dW_hr = dH^T (o tanh(f c_prev + i g)) over every row, the unprojected h from the tape's
+        gates (i, f, g, o, c_prev: float32, H columns each)."""
+        i, f, g, o, c_prev = (gates[:, k * hidden:(k + 1) * hidden] for k in range(5))
+        ig = functional_rnn._scratch(arrays.cupy(), i.shape, "float32")
+        mul(i, g, out=ig)
+        h = functional_rnn._scratch(arrays.cupy(), i.shape, self.kind)
+        elementwise([("mul", "x1"), ("add", "x2"), ("tanh", ""), ("mul", "x3")], f, c_prev, ig, o, out=h)
+        return matmul(self.d_rows.T, h, dtype=self.kind, stream=stream)
 
 
 _backward = callsite.fast(_run_backward)  # the public functions wrap it: they unwrap the Reserve
@@ -185,9 +227,9 @@ def lstm_backward(grad_output, grad_hx, input, hx, params, *, num_layers=1, bidi
     type (no entries for biases the module lacks), as nvdnn.reference.lstm_backward. ``reserve``:
     the Reserve of ``nvdnn.lstm(..., training=True)`` on the same arguments, or None to run that
     forward first. Gradients between steps and layers are float32 sums rounded to the io type
-    where a GEMM reads them (the gate gradients, a layer's dx), as cuDNN's are. No projection
-    (proj_size) yet; between-layer dropout as the forward's (the same ``dropout`` and
-    ``dropout_seed``), its gradient through the same draw."""
+    where a GEMM reads them (the gate gradients, a layer's dx), as cuDNN's are. With proj_size
+    the gradient of W_hr comes after b_hh's, as the weight does. Between-layer dropout as the
+    forward's (the same ``dropout`` and ``dropout_seed``), its gradient through the same draw."""
     return _public("lstm", grad_output, grad_hx, input, hx, params, reserve, dict(
         num_layers=num_layers, bidirectional=bidirectional, batch_first=batch_first, bias=bias, lengths=lengths,
         dropout=dropout, dropout_seed=dropout_seed, dropout_masks=dropout_masks, stream=stream))

@@ -11,8 +11,10 @@ batch_first), so each weight gradient is one GEMM over every step:
                                            projection x W_ih^T + b_ih it reads (the first G*H
                                            columns): the inference forward's buffer, one block wider
     h_prev   (L, *output shape) io type    h_{t-1} of every step, laid out as the layer's output
-                                           (T, B, D*H) or (B, T, D*H), direction d in columns d*H..:
-                                           dW_hh = dG_hh^T h_prev is one GEMM over T*B rows
+                                           (T, B, D*O) or (B, T, D*O), O = proj_size or H,
+                                           direction d in columns d*O..: dW_hh = dG_hh^T h_prev is
+                                           one GEMM over T*B rows (with a projection the
+                                           functional layer copies it from the output)
     outputs  (L-1, *output shape) io type  each layer's output but the last (None for one layer):
                                            the next layer's input, for its dW_ih
 
@@ -29,7 +31,7 @@ import numpy as np
 
 from . import dropout_seed_words, dtypes
 from . import functional_checks as checks
-from .errors import UnsupportedError, ValidationError
+from .errors import ValidationError
 from .rnn_params import RNNLayout
 
 OPTIONS = ("num_layers", "bidirectional", "batch_first", "bias", "dropout", "dropout_seed")  # a Reserve's and
@@ -56,20 +58,6 @@ class Reserve:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"Reserve({self.mode}, input {self.input_shape}, {options}, {self.nbytes} bytes)"
-
-
-def trains(training, layout: RNNLayout, where: str) -> bool:
-    """``training`` read (True or False; a projection has no GPU backward yet)."""
-    if not checks.flag(training, where, "training"):
-        return False
-    check_backward(layout)
-    return True
-
-
-def check_backward(layout: RNNLayout) -> None:
-    if layout.proj_size:
-        raise UnsupportedError("params: proj_size (weight_hr) has no GPU backward yet; "
-                               "nvdnn.reference.lstm_backward computes it", arg="params")
 
 
 def _arrays(layout: RNNLayout, y_shape: tuple, kind: str) -> tuple:

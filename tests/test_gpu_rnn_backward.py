@@ -1,8 +1,9 @@
 """nvdnn.lstm_backward / gru_backward and the training forward on the GPU: against the float64
 reference (nvdnn.reference.lstm_backward / gru_backward on the same rounded inputs) for every
 case of test_gpu_rnn (one and two layers, both directions, batch_first and unbatched, hidden 1,
-7, 129 and wider, a step of 1, a batch of 1, lengths with 0 and 1, no biases, given and zero
-states and state gradients), float32 / fp16 / bf16, gradients NaN-poisoned; the reserve's path
+7, 129 and wider, a step of 1, a batch of 1, lengths with 0 and 1, no biases, proj_size,
+between-layer dropout, given and zero states and state gradients), float32 / fp16 / bf16,
+gradients NaN-poisoned; the reserve's path
 equal to the recomputing one; a repeat training step replayed; against torch.autograd on
 nn.LSTM / nn.GRU with the module's own weights."""
 from __future__ import annotations
@@ -42,12 +43,8 @@ def test_rnn_backward_matches_float64(name, dtype, with_state):
     import cupy
 
     import nvdnn
-    mode, proj, options, args = problem(name, dtype, with_state, np.random.default_rng())
+    mode, _, options, args = problem(name, dtype, with_state, np.random.default_rng())
     backward = getattr(nvdnn, f"{mode}_backward")
-    if proj:
-        with pytest.raises(nvdnn.errors.UnsupportedError, match="proj_size"):
-            backward(*_device(args), **options)
-        return
     grad_y, grad_hx, x, hx, params = args
     state_bytes = [s.nbytes for s in (grad_hx if mode == "lstm" else (grad_hx,))] if grad_hx is not None else []
     poison_next_allocation(x.nbytes, *state_bytes, *(p.nbytes for p in params))

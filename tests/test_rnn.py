@@ -111,7 +111,7 @@ def _cell(plan, tensors, stream=None):
     h_prev = h_prev.astype(np.float64)
     active = (t < given["lengths"] if "lengths" in given else np.ones(batch, bool))[:, None]
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-    if launch.spec.train:
+    if "th" in given:
         rows("th", y_sb, hidden)[...] = h_prev
     if launch.spec.mode == "lstm":
         c_prev = ((given["c0"] if "c0" in given else np.zeros_like(state)) if first else state).astype(np.float64)
@@ -185,6 +185,7 @@ def host_device(monkeypatch):
     monkeypatch.setattr(arrays, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
     monkeypatch.setattr(functional_rnn, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn, "cast", lambda v, kind, out: out.__setitem__(..., v))
+    monkeypatch.setattr(functional_rnn, "scale", lambda v, alpha, out: out.__setitem__(..., v * alpha))
     monkeypatch.setattr(functional_rnn.launcher, "run", _host_launch)
 
 

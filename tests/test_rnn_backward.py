@@ -110,15 +110,8 @@ def test_the_unmeasured_backward_waits_behind_its_setting(monkeypatch):
         nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
 
 
-def test_a_projection_and_bad_training_flags_are_refused():
-    params = _params(hidden=8)
-    params[1] = np.zeros((32, 4), np.float32)
-    params.append(np.zeros((4, 8), np.float32))  # weight_hr: proj_size 4
+def test_a_bad_training_flag_is_named():
     x = np.zeros((T, B, I), np.float32)
-    with pytest.raises(UnsupportedError, match="proj_size"):
-        nvdnn.lstm_backward(np.zeros((T, B, 4), np.float32), None, x, None, params)
-    with pytest.raises(UnsupportedError, match="proj_size"):
-        nvdnn.lstm(x, None, params, training=True)
     with pytest.raises(ValidationError, match="training"):
         nvdnn.gru(x, None, _params("gru"), training="yes")
 
@@ -155,8 +148,10 @@ def _cell_backward(plan, tensors):
 
     def start(role, running):
         return (given[role] if role in given else zeros) if first else given[running]
-    d_h = start("dh_n", "dh").astype(np.float64)
-    d_h = d_h + np.where(active, rows_of(given["dy"], batch, y_sb, hidden), 0)
+    if "dy" in given:
+        d_h = start("dh_n", "dh").astype(np.float64) + np.where(active, rows_of(given["dy"], batch, y_sb, hidden), 0)
+    else:  # a projection's: dh holds the whole gradient of h
+        d_h = given["dh"].astype(np.float64)
     live = np.flatnonzero(active[:, 0])
     a = np.full((batch, gates + 1, hidden), np.nan)  # a row past the length stays unread
     a[live] = rows_of(given["tape"], batch, tape_sb, (gates + 1) * hidden)[live].reshape(-1, gates + 1, hidden)
@@ -198,6 +193,15 @@ def _host_cast(x, kind, *, out=None):
     return out
 
 
+def _host_chain(steps, *inputs, out):
+    """nvdnn.elementwise's chain in float64, for the unary and binary ops the backward chains."""
+    value = inputs[0].astype(np.float64)
+    for op, rhs in steps:
+        other = inputs[int(rhs[1:])] if rhs else None
+        value = {"mul": np.multiply, "add": np.add}[op](value, other) if rhs else {"tanh": np.tanh}[op](value)
+    out[...] = value
+
+
 def _poisoned(shape, dtype=np.float64):
     """np.empty that reads NaN: a value no launch wrote shows in the results, as on the GPU."""
     return np.full(shape, np.nan, dtype)
@@ -212,6 +216,9 @@ def host(monkeypatch):
     monkeypatch.setattr(functional_rnn.launcher, "run", _launch)
     monkeypatch.setattr(functional_rnn_backward, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn_backward, "cast", _host_cast)
+    monkeypatch.setattr(functional_rnn_backward, "add", lambda a, b, out: out.__setitem__(..., a + b))
+    monkeypatch.setattr(functional_rnn_backward, "mul", lambda a, b, out: out.__setitem__(..., a * b))
+    monkeypatch.setattr(functional_rnn_backward, "elementwise", _host_chain)
     monkeypatch.setattr(functional_anchors, "sum", lambda x, axis, dtype, stream: x.astype(np.float64).sum(axis)
                         .astype(dtypes.BY_NAME[dtype].np))
 
@@ -225,6 +232,9 @@ CASES = [  # mode, T, B (None: unbatched), hidden, options
     ("gru", 3, 2, 9, dict(batch_first=True, bias=False, num_layers=2)),
     ("lstm", 4, 3, 6, dict(num_layers=3, bidirectional=True, dropout=0.4, dropout_seed=(7, 3))),
     ("gru", 3, 5, 9, dict(batch_first=True, num_layers=2, dropout=0.5, dropout_seed=11)),
+    ("lstm", 4, 3, 8, dict(proj_size=5, num_layers=2, bidirectional=True)),
+    ("lstm", 3, 2, 6, dict(proj_size=2, batch_first=True, num_layers=2, dropout=0.3, dropout_seed=2)),
+    ("lstm", 1, None, 3, dict(proj_size=1)),
 ]
 
 
@@ -232,20 +242,24 @@ INPUTS = 4  # the cases' input size
 
 
 def _problem(mode, steps, batch, hidden, options, with_state, grad_c_n=True) -> tuple:
-    """(input, grad_output, hx, grad_hx, params) of a case, float32; states and their gradients
-    only ``with_state`` (an LSTM's grad_c_n None unless ``grad_c_n``)."""
+    """(input, grad_output, hx, grad_hx, params, the call's options) of a case, float32; states and
+    their gradients only ``with_state`` (an LSTM's grad_c_n None unless ``grad_c_n``); a case's
+    proj_size goes into the weights (weight_hr), not the options."""
     rng = np.random.default_rng(5)
     params = module_weights(mode, INPUTS, hidden, options, np.float32, rng)
+    out = options.get("proj_size") or hidden
+    options = {k: v for k, v in options.items() if k != "proj_size"}
     dirs, layers = 1 + options.get("bidirectional", False), options.get("num_layers", 1)
     lead = (steps,) if batch is None else (batch, steps) if options.get("batch_first") else (steps, batch)
     x = rng.uniform(-1, 1, lead + (INPUTS,)).astype(np.float32)
-    grad_y = rng.uniform(-1, 1, lead + (dirs * hidden,)).astype(np.float32)
-    state_shape = (layers * dirs,) + (() if batch is None else (batch,)) + (hidden,)
+    grad_y = rng.uniform(-1, 1, lead + (dirs * out,)).astype(np.float32)
+    lead_state = (layers * dirs,) + (() if batch is None else (batch,))
     hx = grad_hx = None
     if with_state:
-        h0, c0, dh_n, dc_n = (rng.uniform(-1, 1, state_shape).astype(np.float32) for _ in range(4))
+        h0, dh_n = (rng.uniform(-1, 1, lead_state + (out,)).astype(np.float32) for _ in range(2))
+        c0, dc_n = (rng.uniform(-1, 1, lead_state + (hidden,)).astype(np.float32) for _ in range(2))
         hx, grad_hx = ((h0, c0), (dh_n, dc_n if grad_c_n else None)) if mode == "lstm" else (h0, dh_n)
-    return x, grad_y, hx, grad_hx, params
+    return x, grad_y, hx, grad_hx, params, options
 
 
 def _assert_gradients(mode, got, args, options) -> None:
@@ -272,7 +286,8 @@ def test_the_backward_orchestration_matches_the_reference(mode, steps, batch, hi
     steps, dh through the GEMM's residual, lengths, both directions' dx into one, the weight GEMMs
     over every row, layer inputs from the tape -- against nvdnn.reference.lstm_backward /
     gru_backward, given the training forward's reserve or recomputing it."""
-    x, grad_y, hx, grad_hx, params = _problem(mode, steps, batch, hidden, options, with_state, grad_c_n=False)
+    x, grad_y, hx, grad_hx, params, options = _problem(mode, steps, batch, hidden, options, with_state,
+                                                       grad_c_n=False)
     reserve = None
     if with_reserve:
         forward = getattr(nvdnn, mode)(x, hx, params, training=True, **options)
@@ -375,7 +390,7 @@ def persistent(host, monkeypatch):
     _USED.clear()
 
 
-@pytest.mark.parametrize("mode,steps,batch,hidden,options", CASES + [
+@pytest.mark.parametrize("mode,steps,batch,hidden,options", [c for c in CASES if "proj_size" not in c[4]] + [
     ("lstm", 3, 5, 33, dict(bidirectional=True, batch_first=True, lengths=np.array([3, 0, 1, 2, 3]))),
     ("gru", 4, 2, 17, dict(bidirectional=True, num_layers=2))])
 @pytest.mark.parametrize("with_state,with_reserve", [(False, True), (True, False)])
@@ -384,7 +399,7 @@ def test_the_persistent_path_forward_and_backward_match_the_reference(mode, step
     """functional_rnn._recurrence's plumbing (strides, the direction's columns, th, the tape over
     xg's (G+1)*H rows, reverse, lengths) through the inference and training forwards and the
     backward, the persistent kernel stood in for by NumPy."""
-    x, grad_y, hx, grad_hx, params = _problem(mode, steps, batch, hidden, options, with_state)
+    x, grad_y, hx, grad_hx, params, options = _problem(mode, steps, batch, hidden, options, with_state)
     # inference forward through the persistent path
     got = getattr(nvdnn, mode)(x, hx, params, **options)
     want = getattr(nvdnn.reference, mode)(x, hx, params, **options)
