@@ -185,7 +185,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                 cast(previous, kind, out=h_n[state])
                 if tape:
                     columns = (Ellipsis, slice(d * out, (d + 1) * out))
-                    _projected_tape(y_layer[columns], tape[1][layer][columns], start, d == 1, batch_first)
+                    _projected_tape(y_layer[columns], tape[1][layer][columns], start, d == 1, batch_first, kind)
         if seed and layer < layout.num_layers - 1:  # what the next layer reads (and the tape keeps)
             drop_between(y_layer, layer, dropout, seed, batch_first, stream)
         layer_in = y_layer
@@ -215,7 +215,7 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
 
 
-def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool) -> None:
+def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool, kind: str) -> None:
     """A projection's h_prev tape (the cell kernel's h is the unprojected one): each step's
     previous output, from y, and h0 (zeros without one) at the first step taken."""
     steps = y_dir.shape[1 if batch_first else 0]
@@ -223,9 +223,9 @@ def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool) -> None
     first, earlier, later = (steps - 1, slice(1, steps), slice(0, steps - 1)) if reverse else (
         0, slice(0, steps - 1), slice(1, steps))
     if steps > 1:
-        cast(at(y_dir, earlier), y_dir.dtype, out=at(th_dir, later))
+        cast(at(y_dir, earlier), kind, out=at(th_dir, later))
     if h0 is not None:
-        cast(h0, y_dir.dtype, out=at(th_dir, first))
+        cast(h0, kind, out=at(th_dir, first))
     else:  # y's row is finite: written by the projection's GEMM
         scale(at(y_dir, first), 0.0, out=at(th_dir, first))
 

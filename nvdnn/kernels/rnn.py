@@ -151,8 +151,8 @@ def plan_cell_backward(mode: str, dtype: str, batch: int, hidden: int, *, t: int
 
 def plan_dropout(dtype: str, shape: tuple, *, st: int, sb: int, layer: int, p: float) -> Plan:
     """Layer ``layer``'s dropout over a (T, B, F) output (F packed; time and batch strides in
-    elements), in place or from ``src`` into ``dst``, with the {seed, offset} words at
-    ``seed``. Kept values scale by 1 / (1 - p) at p's 16-bit rounding (dropout_threshold)."""
+    elements), from "src" into "dst" (in place when they are one array), the {seed, offset} words
+    at "dropout_seed". Kept values scale by 1 / (1 - p) at p's 16-bit rounding (dropout_threshold)."""
     threshold, dropped = dropout_threshold(p)
     total = int(np.prod(shape))
     args = (np.int64(total), np.int32(shape[1]), np.int32(shape[2]), np.int64(st), np.int64(sb), np.uint32(layer),
