@@ -78,11 +78,13 @@ class Layer:
     then: tuple = ()
     count: int = 1
     only: tuple = ()
+    out: str | None = None            # the result's data type where it is not the model's (a float32 GEMM)
 
 
-def layer(name, op, inputs: dict, attrs: dict | None = None, then=(), count=1, only: dict | None = None) -> Layer:
+def layer(name, op, inputs: dict, attrs: dict | None = None, then=(), count=1, only: dict | None = None,
+          out: str | None = None) -> Layer:
     return Layer(name, op, tuple(inputs.items()), tuple((attrs or {}).items()), tuple(then), count,
-                 tuple((only or {}).items()))
+                 tuple((only or {}).items()), out)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class Model:
     params: tuple                                     # Param rows
     layers: tuple                                     # Layer rows (symbolic)
     variants: Callable[[dict], list[dict]]            # parameters -> concrete value sets
+    kernels: Callable[[dict], list] | None = None     # a variant -> the specs of its calls no graph op plans
 
     def parse(self, given: dict[str, str]) -> dict:
         known = {p.name: p for p in self.params}
@@ -242,10 +245,11 @@ RESNET50 = Model(
     _resnet50_layers(), _resnet50_variants)
 
 
-# -- transformer and decode (their rows: models_transformer.py) ----------------------------------
+# -- transformer and decode (their rows: models_transformer.py), recurrent (models_rnn.py) --------
+from .models_rnn import RECURRENT  # noqa: E402
 from .models_transformer import DECODE, TRANSFORMER  # noqa: E402
 
-MODELS: dict[str, Model] = {m.name: m for m in (RESNET50, TRANSFORMER, DECODE)}
+MODELS: dict[str, Model] = {m.name: m for m in (RESNET50, TRANSFORMER, DECODE, RECURRENT)}
 
 
 # -- planning ------------------------------------------------------------------------------------
@@ -373,6 +377,8 @@ def layer_graph(row: Layer, tensors: tuple, arch: str):
     for step in row.then:
         main = getattr(g, step)(main) if isinstance(step, str) else getattr(g, step[0])(main, made[step[1]])
     main.set_output(True)
+    if row.out is not None:  # after set_output, which gives a float32 output the model's type
+        main.set_data_type(row.out)
     for extra in outs[1:]:
         extra.set_output(True)
     return g.validate().build_operation_graph().create_execution_plans().check_support(_tuned=False)
@@ -425,7 +431,7 @@ def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = Fa
                     label = f"{row.op} on {arch}"
                     skipped[label] = (skipped.get(label, (0, reason))[0] + row.count, reason)
                     continue
-                key = (row.op, tensors, row.attrs, row.then, arch, candidates)
+                key = (row.op, tensors, row.attrs, row.then, row.out, arch, candidates)
                 if key not in planned:
                     try:
                         planned[key] = graph_specs(layer_graph(row, tensors, arch), candidates)
@@ -438,4 +444,6 @@ def plan_model(name: str, given: dict[str, str], archs, *, candidates: bool = Fa
                 result.jobs.update(dict.fromkeys((spec, arch) for spec in planned[key]))
         for op, (n, reason) in skipped.items():
             result.skipped[op] = (max(n, result.skipped.get(op, (0,))[0]), reason)
+        if model.kernels is not None:
+            result.jobs.update(dict.fromkeys((spec, arch) for spec in model.kernels(values) for arch in archs))
     return result

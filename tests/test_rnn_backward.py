@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 import nvdnn
-from nvdnn import codegen, dtypes, functional_anchors, functional_rnn, functional_rnn_backward, rnn_tape
+from nvdnn import codegen, dtypes, functional_anchors, functional_rnn, functional_rnn_backward, models, rnn_tape
+from nvdnn.cache import KernelCache, default_cache
 from nvdnn.errors import DTypeError, UnsupportedError, ValidationError
+from nvdnn.kernels import matmul as matmul_family
 from nvdnn.kernels import rnn, rnn_persistent
+from nvdnn.kernels.pointwise import Operand
+from nvdnn.warm import warm
 
 from .test_rnn import _cell, host_device, host_dropout, host_matmul, module_weights, rows_of
 
@@ -415,3 +419,54 @@ def test_the_persistent_path_forward_and_backward_match_the_reference(mode, step
     got = getattr(nvdnn, f"{mode}_backward")(grad_y, grad_hx, x, hx, params, reserve=reserve, **options)
     assert _USED and all(s.train for s in _USED)
     _assert_gradients(mode, got, (grad_y, grad_hx, x, hx, params), options)
+
+
+# -- the recurrent preset: warmed, then a training step finds every kernel ---------------------------
+
+def _looked_up(run):
+    """A launcher stand-in that first finds each launch's kernel in the cache (NVDNN_NO_COMPILE:
+    a miss raises), as the device path would on sm_90."""
+    def launch(plan, tensors, stream=None):
+        for step in plan.launches:
+            default_cache().get(step.spec, "sm_90")
+        return run(plan, tensors, stream)
+    return launch
+
+
+def _planned_matmul(a, b, bias=None, *, residual=None, dtype=None, out=None, stream=None):
+    """host_matmul after nvdnn.matmul's planning for sm_90 and the cache lookups of its kernels."""
+    def operand(x):
+        return Operand(dtypes.of_array(x, arg="x").name, x.shape, tuple(s // x.itemsize for s in x.strides), 16)
+    kind = dtype or (None if out is None else dtypes.of_array(out, arg="out").name)
+    plan = matmul_family.plan_matmul(operand(a), operand(b), bias=None if bias is None else operand(bias),
+                                     residual=None if residual is None else operand(residual), out_dtype=kind,
+                                     arch="sm_90")
+    for step in plan.launches:
+        default_cache().get(step.spec, "sm_90")
+    return host_matmul(a, b, bias, residual=residual, dtype=dtype, out=out)
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_the_recurrent_preset_warms_what_a_training_step_launches(mode, cache_dir, persistent, monkeypatch):
+    """`nvdnn warm --preset recurrent`'s kernels, then nvdnn's forward (training) and backward of
+    two bidirectional fp16 layers with dropout, on the persistent path (batch 3) and the per-step
+    path (batch 80), compiling nothing: every GEMM and kernel is found in the cache."""
+    given = {"mode": mode, "hidden": "16", "input": "8", "batch": "3,80", "seq": "4", "layers": "2",
+             "bidirectional": "1", "dtype": "fp16"}
+    plan = models.plan_model("recurrent", given, ["sm_90"])
+    assert not plan.failed and not plan.skipped
+    assert warm(list(plan.jobs), KernelCache(cache_dir), workers=2).failed == []
+    monkeypatch.setenv("NVDNN_NO_COMPILE", "1")
+    monkeypatch.setattr(rnn_persistent, "choose", _CHOOSE)
+    for module in (functional_rnn, functional_rnn_backward):
+        monkeypatch.setattr(module, "matmul", _planned_matmul)
+    monkeypatch.setattr(functional_rnn.launcher, "run", _looked_up(_dispatch))
+    options = dict(num_layers=2, bidirectional=True, dropout=0.2, dropout_seed=4)
+    rng = np.random.default_rng(1)
+    params = module_weights(mode, 8, 16, options, np.float16, rng)
+    for batch in (3, 80):
+        _USED.clear()
+        x = rng.uniform(-1, 1, (4, batch, 8)).astype(np.float16)
+        y, *_, reserve = getattr(nvdnn, mode)(x, None, params, training=True, **options)
+        getattr(nvdnn, f"{mode}_backward")(np.ones_like(y), None, x, None, params, reserve=reserve, **options)
+        assert bool(_USED) == (batch == 3)  # the persistent kernel, then the per-step path
