@@ -106,6 +106,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     checks.device()
     if training:
         checks.unmeasured(f"nvdnn.{mode}", "training forward (the tape for its backward)", "training")
+    if dropout and layout.num_layers > 1:
+        checks.unmeasured(f"nvdnn.{mode}", "between-layer dropout kernel", "dropout")
     cp = arrays.cupy()
     h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
     given = {"input": input, "h0": h0, "c0": c0}
@@ -273,7 +275,8 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` > 0 drops each layer's output
     but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
     ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run
-    time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed. The
+    time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed (not
+    yet run on a GPU: waits behind NVDNN_UNMEASURED=1). The
     reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
     the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)

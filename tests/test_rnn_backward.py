@@ -103,7 +103,7 @@ def test_bad_arguments_are_named_before_device_work(mode, args, kwargs, error, m
         getattr(nvdnn, f"{mode}_backward")(*args, **kwargs)
 
 
-def test_the_unmeasured_backward_waits_behind_its_setting(monkeypatch):
+def test_what_is_unmeasured_waits_behind_its_setting(monkeypatch):
     """Past every argument rule and the device check (faked here), before any device work."""
     monkeypatch.setenv("NVDNN_UNMEASURED", "0")
     monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
@@ -112,6 +112,8 @@ def test_the_unmeasured_backward_waits_behind_its_setting(monkeypatch):
         nvdnn.lstm(x, None, params, training=True)
     with pytest.raises(UnsupportedError, match="grad_output: nvdnn.gru_backward's GPU backward .* NVDNN_UNMEASURED"):
         nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
+    with pytest.raises(UnsupportedError, match="dropout: nvdnn.lstm's between-layer dropout kernel .* NVDNN_UNMEASURED"):
+        nvdnn.lstm(x, None, _params(num_layers=2), num_layers=2, dropout=0.5, dropout_seed=1)
 
 
 def test_a_bad_training_flag_is_named():
