@@ -11,7 +11,10 @@ nvdnn against PyTorch autograd on the same weights and times forward and forward
 against PyTorch eager (its best SDPA backend) and torch.compile:
 
     python examples/decoder_layer.py [--seq 512,2048,8192] [--batch 1] [--hidden 4096] [--heads 32]
-                                     [--kv-heads 8] [--ffn 14336] [--dtype bfloat16]
+                                     [--kv-heads 8] [--ffn 14336] [--dtype bfloat16] [--check-ops]
+
+``--check-ops`` runs each nvdnn call of the forward and backward again in nvdnn.reference on the
+same inputs and names the calls whose results depart (OpCheck): where a wrong gradient starts.
 """
 from __future__ import annotations
 
@@ -127,6 +130,38 @@ def _linear_backward(ops, dy, a, weight):
 
 # -- the GPU run: nvdnn against PyTorch ----------------------------------------------------------
 
+class OpCheck:
+    """``ops`` with each call run again by ``reference`` (float64) on the same inputs, read to the
+    host by ``host``: ``report`` lists (op, worst relative error of its results) in call order,
+    so the first op past a tolerance is where a chain departs from the reference."""
+
+    def __init__(self, ops, reference, host):
+        self.ops, self.reference, self.host, self.report = ops, reference, host, []
+
+    def _read(self, value):
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._read(v) for v in value)
+        return self.host(value) if hasattr(value, "shape") else value
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            got = getattr(self.ops, name)(*args, **kwargs)
+            want = getattr(self.reference, name)(*self._read(args), **{k: self._read(v) for k, v in kwargs.items()})
+            pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+            self.report.append((name, max(_rel_host(self.host(g), w) for g, w in pairs if g is not None)))
+            return got
+        return call
+
+    def departures(self, tolerance: float) -> list:
+        """The calls whose error passes ``tolerance``, in order."""
+        return [(number, name, error) for number, (name, error) in enumerate(self.report) if error > tolerance]
+
+
+def _rel_host(mine, want) -> float:
+    want = np.asarray(want, dtype=np.float64)
+    return float(np.abs(np.asarray(mine, dtype=np.float64) - want).max() / max(np.abs(want).max(), 1e-6))
+
+
 def _torch_layer(torch, w: dict, shape: Shape, tables):
     """The same layer in PyTorch (autograd), on the same weights (DLPack views: CuPy hands bfloat16 over
     DLPack, not the CUDA array interface)."""
@@ -164,6 +199,22 @@ def _ms(torch, fn, reps: int = 10) -> float:
     stop.record()
     torch.cuda.synchronize()
     return start.elapsed_time(stop) / reps
+
+
+def check_ops(shape: Shape, dtype: str, tolerance: float = 2e-2) -> list:
+    """The forward and backward with every nvdnn call checked against nvdnn.reference on its own
+    inputs (OpCheck): the calls past ``tolerance``, (call number, op, relative error)."""
+    import cupy
+
+    import nvdnn
+    np_dtype = nvdnn.dtypes.BY_NAME[dtype].np
+    w = {name: cupy.asarray(value) for name, value in weights(shape, np_dtype).items()}
+    tables = tuple(cupy.asarray(t) for t in rotary_tables(shape, np_dtype))
+    x, dy = (cupy.asarray(np.random.default_rng(seed).standard_normal((shape.tokens, shape.hidden)).astype(np_dtype))
+             for seed in (1, 2))
+    ops = OpCheck(nvdnn, nvdnn.reference, lambda a: cupy.asnumpy(a).astype(np.float64))
+    backward(ops, cupy, w, dy, forward(ops, cupy, w, x, shape, tables)[1], shape, tables)
+    return ops.departures(tolerance)
 
 
 def run(shape: Shape, dtype: str) -> dict:
@@ -220,9 +271,15 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--check-ops", action="store_true",
+                        help="check every call against nvdnn.reference (float64 on the CPU: take small sizes)")
     args = parser.parse_args()
     for seq in (int(s) for s in args.seq.split(",")):
-        print(run(Shape(args.batch, seq, args.hidden, args.heads, args.kv_heads, args.ffn), args.dtype), flush=True)
+        shape = Shape(args.batch, seq, args.hidden, args.heads, args.kv_heads, args.ffn)
+        if args.check_ops:
+            print(f"seq {seq}: calls past the tolerance (number, op, relative error):", check_ops(shape, args.dtype))
+        else:
+            print(run(shape, args.dtype), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,31 @@ def test_backward_matches_finite_differences(layer):
             else:
                 numeric = (loss(x, {**w, name: up}) - loss(x, {**w, name: down})) / (2 * eps)
             assert abs(grad[index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), (name, index, grad[index], numeric)
+
+
+def test_op_check_names_the_call_that_departs(layer):
+    """OpCheck (the example's --check-ops) on the CPU: nvdnn.reference checked against itself
+    departs nowhere; with one op made wrong (the gated MLP's elementwise gradient) exactly its
+    calls are named, each compared on its own inputs."""
+    import types
+    ops = nvdnn.reference
+    shape = layer.Shape(batch=1, seq=6, hidden=16, heads=4, kv_heads=2, ffn=24)
+    w, tables = layer.weights(shape, np.float64), layer.rotary_tables(shape, np.float64)
+    rng = np.random.default_rng(4)
+    x, dy = rng.standard_normal((2, shape.tokens, shape.hidden))
+
+    def checked(ops):
+        check = layer.OpCheck(ops, nvdnn.reference, np.asarray)
+        layer.backward(check, np, w, dy, layer.forward(check, np, w, x, shape, tables)[1], shape, tables)
+        return check
+
+    clean = checked(ops)
+    assert len(clean.report) > 20 and clean.departures(1e-12) == []
+
+    def wrong_silu_grad(steps, *inputs, **kwargs):
+        y = ops.elementwise(steps, *inputs, **kwargs)
+        return y * 1.01 if steps[0][0] == "silu_grad" else y
+
+    broken = checked(types.SimpleNamespace(**{**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("_")},
+                                              "elementwise": wrong_silu_grad}))
+    assert [name for _, name, _ in broken.departures(1e-3)] == ["elementwise"]
