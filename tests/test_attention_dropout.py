@@ -1,7 +1,8 @@
 """Attention dropout without a GPU: Philox4x32-10 against Random123's known answers, the mask the
 reference draws against a per-score transcription of its definition, the kernels' thread-to-score
 mapping (forward: queries as rows; backward: keys as rows) against that mask, the reference's
-dropout against the gradient of its own forward, and the dropout kernels' builds for sm_90a."""
+dropout against the gradient of its own forward, and the dropout kernels' builds for sm_90a; the
+RNN's between-layer draw transcribed from its kernel against its reference mask."""
 from __future__ import annotations
 
 import math
@@ -85,6 +86,31 @@ def test_each_thread_draws_the_bits_of_the_scores_it_holds(orientation):
                         kept = (words[x] >> (16 * half) & 0xFFFF) >= threshold
                         query, key = (row, col) if orientation == "forward" else (col, row)
                         assert kept == mask[query, key], (lane, q, e, x)
+
+
+def test_the_rnn_dropout_kernel_draws_the_reference_mask():
+    """templates/rnn/dropout.cu.j2's indexing transcribed per thread (a group of eight time-major
+    elements, one draw, word k >> 1, half k & 1; an element's address through the time and batch
+    strides of a batch-first output) against rnn_dropout_mask, which the forward and backward
+    share (test_reference_rnn checks its rate and keys)."""
+    shape, p, seed, offset, layer = (5, 3, 7), 0.35, 0x1234_5678_9ABC, 9, 2   # T, B, F: 105, not a multiple of 8
+    threshold = draw.dropout_threshold(p)[0]
+    mask = nvdnn.reference.rnn_dropout_mask(shape, p, seed, offset, layer)
+    steps, batch, features = shape
+    st, sb = features, steps * features          # batch-first (B, T, F) memory
+    kept_at = {}
+    for group in range(-(-steps * batch * features // 8)):
+        words = draw.philox4x32_10((group & 0xFFFFFFFF, group >> 32, draw.RNN_TAG | layer, offset),
+                                   (seed & 0xFFFFFFFF, seed >> 32))
+        for k in range(8):
+            e = group * 8 + k
+            if e >= steps * batch * features:
+                break
+            row, t = e // features, e // features // batch
+            at = t * st + (row - t * batch) * sb + (e - row * features)
+            kept_at[at] = (int(words[k >> 1]) >> (16 * (k & 1)) & 0xFFFF) >= threshold
+    memory = mask.transpose(1, 0, 2).reshape(-1)   # the mask laid out as the batch-first output
+    assert sorted(kept_at) == list(range(memory.size)) and all(kept_at[a] == memory[a] for a in kept_at)
 
 
 def test_reference_dropout_is_the_gradient_of_its_forward():
