@@ -112,7 +112,7 @@ def test_what_is_unmeasured_waits_behind_its_setting(monkeypatch):
         nvdnn.lstm(x, None, params, training=True)
     with pytest.raises(UnsupportedError, match="grad_output: nvdnn.gru_backward's GPU backward .* NVDNN_UNMEASURED"):
         nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
-    with pytest.raises(UnsupportedError, match="dropout: nvdnn.lstm's between-layer dropout kernel .* NVDNN_UNMEASURED"):
+    with pytest.raises(UnsupportedError, match="dropout: nvdnn.lstm's between-layer dropout .* NVDNN_UNMEASURED"):
         nvdnn.lstm(x, None, _params(num_layers=2), num_layers=2, dropout=0.5, dropout_seed=1)
 
 
