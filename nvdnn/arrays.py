@@ -84,7 +84,7 @@ def device_vector(cp, x, kind, name: str):
     it is one already (a converted one is device work a replay would not repeat)."""
     if type(x) is cp.ndarray and x.dtype == kind and x.flags.c_contiguous:
         return x
-    dev = arrays.to_device(x, name)[0]
+    dev = to_device(x, name)[0]
     if dev.dtype != kind or not dev.flags.c_contiguous:
         callsite.refuse(f"{name} converted to {np.dtype(kind).name}")
         dev = cp.ascontiguousarray(dev, dtype=kind)

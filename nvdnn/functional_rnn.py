@@ -228,7 +228,7 @@ def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool, kind: s
         cast(at(y_dir, earlier), kind, out=at(th_dir, later))
     if h0 is not None:
         cast(h0, kind, out=at(th_dir, first))
-    else:  # y's row is finite: written by the projection's GEMM
+    else:  # zeros, as y's row times 0 (unless the projection overflowed to inf: then the forward is lost anyway)
         scale(at(y_dir, first), 0.0, out=at(th_dir, first))
 
 
@@ -275,8 +275,9 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` > 0 drops each layer's output
     but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
     ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run
-    time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed (not
-    yet run on a GPU: waits behind NVDNN_UNMEASURED=1). The
+    time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed (a
+    device array with the same contents: the backward draws again; not yet run on a GPU: waits
+    behind NVDNN_UNMEASURED=1). The
     reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
     the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)

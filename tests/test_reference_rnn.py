@@ -216,6 +216,8 @@ def test_a_dropout_seed_draws_the_kernels_masks(mode):
     dropped = round(0.3 * 65536) / 65536
     given = RUN[mode](x, hx, params, **dict(options, dropout=dropped, dropout_masks=masks))
     np.testing.assert_allclose(seeded[0], given[0], rtol=1e-12, atol=1e-14)
+    words = RUN[mode](x, hx, params, **dict(options, dropout_masks=None, dropout_seed=np.array([9, 4], np.int64)))
+    np.testing.assert_array_equal(words[0], seeded[0])   # the {seed, offset} array form, as a device one is read
 
 
 def test_the_rnn_dropout_draw_keeps_its_share_and_depends_on_every_key():

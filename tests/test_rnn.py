@@ -189,6 +189,23 @@ def host_device(monkeypatch):
     monkeypatch.setattr(functional_rnn.launcher, "run", _host_launch)
 
 
+def test_device_vector_copies_and_converts_a_host_vector(monkeypatch):
+    """arrays.device_vector, which the host fixture stands in for: a host int64 vector (lengths,
+    attention's sequence lengths) comes back on the "device" as int32, a device one in place."""
+    import types
+
+    from nvdnn import arrays
+    device = type("ndarray", (np.ndarray,), {})
+    fake = types.SimpleNamespace(ndarray=device, asarray=lambda a: np.asarray(a).view(device),
+                                 ascontiguousarray=lambda a, dtype: np.ascontiguousarray(a, dtype).view(device))
+    monkeypatch.setattr(arrays, "cupy", lambda: fake)
+    got = arrays.device_vector(fake, np.array([3, 1], np.int64), np.int32, "lengths")
+    assert type(got) is device and got.dtype == np.int32 and got.tolist() == [3, 1]
+    assert arrays.device_vector(fake, got, np.int32, "lengths") is got
+    with pytest.raises(ValidationError, match="lengths: expected"):
+        arrays.device_vector(fake, "3", np.int32, "lengths")
+
+
 def full_path(mode, *args, **options):
     """functional_rnn's recorded call of ``mode`` without a recording, lstm's defaults filled in."""
     import inspect

@@ -165,7 +165,8 @@ def _keep(layout: RNNLayout, dropout, seed, masks, steps: int, batch: int, batch
         return [None] * between
     shape = (steps, batch, layout.directions * layout.out_size)
     if masks is None and seed is not None:  # the kernels' draw
-        seed, offset = tuple(int(v) for v in np.asarray(seed).reshape(-1)) if np.ndim(seed) else (int(seed), 0)
+        words = seed.tolist() if hasattr(seed, "tolist") else seed   # a device {seed, offset} array too
+        seed, offset = tuple(int(v) for v in words) if isinstance(words, (list, tuple)) else (int(words), 0)
         dropped = dropout_threshold(dropout)[1]
         return [rnn_dropout_mask(shape, dropout, seed, offset, k) / (1.0 - dropped) if dropped < 1
                 else np.zeros(shape) for k in range(between)]
