@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays, callsite, dropout_seed_words, dtypes, launcher, rnn_tape, runtime
+from . import arrays, callsite, dropout_seed_words, dtypes, launcher, rnn_tape
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
 from .functional import cast, scale
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .kernels import rnn_persistent
+from .kernels.matmul.planning import sm_count
 from .rnn_params import KEYS, parse_params
 
 _NULL = np.uint64(0)
@@ -134,7 +135,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
     c_n = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
     tape = rnn_tape.allocate(cp, layout, y_shape, kind) if training else None  # (gates, h_prev, outputs)
     seed = dropout_seed_words.device_input(cp, dropout, dropout_seed)[0] if layout.num_layers > 1 else {}
-    at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
+    at_step = step_view(batch_first)
     layer_in = x
     for layer in range(layout.num_layers):
         y_layer = y if layer == layout.num_layers - 1 else tape[2][layer] if tape else _scratch(cp, y_shape, kind)
@@ -147,7 +148,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
             matmul(rows, w["w_ih"].T, bias=w["b_ih"], dtype="float32", out=xg, stream=stream)
             xg_steps = xg.reshape(y_shape[:2] + (gates * hidden,))
             persistent = None if layout.proj_size else rnn_persistent.choose(
-                mode, kind, batch, hidden, runtime.sm_count(cp.cuda.runtime.getDevice()), tape is not None)
+                mode, kind, batch, hidden, sm_count(), tape is not None)
             if persistent is not None:
                 columns = (Ellipsis, slice(d * out, (d + 1) * out))
                 _recurrence(cp, persistent, xs, w, xg_steps, y_layer[columns], h_n[state],
@@ -217,11 +218,16 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
 
 
+def step_view(batch_first: bool):
+    """(array, step or slice of steps) -> that view of a (T, B, ...) or batch-first (B, T, ...) array."""
+    return (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])
+
+
 def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool, kind: str) -> None:
     """A projection's h_prev tape (the cell kernel's h is the unprojected one): each step's
     previous output, from y, and h0 (zeros without one) at the first step taken."""
     steps = y_dir.shape[1 if batch_first else 0]
-    at = (lambda a, s: a[:, s]) if batch_first else (lambda a, s: a[s])  # noqa: E731
+    at = step_view(batch_first)
     first, earlier, later = (steps - 1, slice(1, steps), slice(0, steps - 1)) if reverse else (
         0, slice(0, steps - 1), slice(1, steps))
     if steps > 1:

@@ -109,7 +109,7 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
     grad_h0 = cp.empty((layout.num_layers * dirs, batch, out), dtype=x.dtype)
     grad_c0 = cp.empty((layout.num_layers * dirs, batch, hidden), dtype=x.dtype) if mode == "lstm" else None
     grads = [[{} for _ in range(dirs)] for _ in range(layout.num_layers)]
-    at_step = (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])  # noqa: E731
+    at_step = functional_rnn.step_view(batch_first)
     seed = dropout_seed_words.device_input(cp, dropout, dropout_seed)[0] if layout.num_layers > 1 else {}
     d_out = dy
     for layer in reversed(range(layout.num_layers)):
@@ -178,7 +178,7 @@ class _Projection:
     rows as the layer output's, for dW_hr."""
 
     def __init__(self, cp, rows: int, y_shape: tuple, batch: int, out: int, kind: str):
-        self.kind = kind
+        self.cp, self.kind = cp, kind
         self.dh = functional_rnn._scratch(cp, (batch, out), "float32")
         self.d_rows = functional_rnn._scratch(cp, (rows, out), kind)
         self.d_steps = self.d_rows.reshape(y_shape[:2] + (out,))
@@ -198,9 +198,9 @@ class _Projection:
         """dW_hr = dH^T (o tanh(f c_prev + i g)) over every row, the unprojected h from the tape's
         gates (i, f, g, o, c_prev: float32, H columns each)."""
         i, f, g, o, c_prev = (gates[:, k * hidden:(k + 1) * hidden] for k in range(5))
-        ig = functional_rnn._scratch(arrays.cupy(), i.shape, "float32")
+        ig = functional_rnn._scratch(self.cp, i.shape, "float32")
         mul(i, g, out=ig)
-        h = functional_rnn._scratch(arrays.cupy(), i.shape, self.kind)
+        h = functional_rnn._scratch(self.cp, i.shape, self.kind)
         elementwise([("mul", "x1"), ("add", "x2"), ("tanh", ""), ("mul", "x3")], f, c_prev, ig, o, out=h)
         return matmul(self.d_rows.T, h, dtype=self.kind, stream=stream)
 

@@ -16,7 +16,6 @@ _MODULES: list = []  # keep modules alive for as long as their functions may run
 _OPTED_IN: dict[tuple[str, int], int] = {}  # dynamic shared memory each loaded function may use
 _RESIDENT: dict[tuple, int] = {}  # co-resident clusters of a persistent kernel by launch shape
 _LAUNCH_EX: dict[tuple, "LaunchExFunction"] = {}  # by (class, CUfunction handle)
-_SMS: dict[int, int] = {}  # multiprocessors by device
 _LOCK = threading.Lock()
 
 
@@ -209,15 +208,6 @@ def launch_config(grid, block, shared_mem: int, stream: int = 0, attrs: list = (
         config.attrs = list(attrs)
     config.numAttrs = len(attrs)
     return config
-
-
-def sm_count(device_id: int) -> int:
-    """The device's multiprocessors, asked once."""
-    found = _SMS.get(device_id)
-    if found is None:
-        import cupy
-        found = _SMS[device_id] = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-    return found
 
 
 def loaded_count() -> int:

@@ -29,8 +29,8 @@ PRESETS: dict[str, Callable[[], list[KernelSpec]]] = {
     "attention": attention.preset,  # fused SDPA forward, fp16 / bf16, head dims 64 / 128 / 256, causal or not
     "attention_backward": attention_backward.preset,  # its backward (dQ, dK, dV), head dims 64 / 128
     "attention_decode": attention_decode.preset,  # decoding against contiguous or paged KV caches, sm_80 and later
-    # the LSTM / GRU cell kernels in every type (inference, training forward, backward) and the persistent
-    # recurrences (their GEMMs: the matmul preset's)
+    # the LSTM / GRU cell kernels in every type (inference, training forward, backward), the dropout and the
+    # persistent recurrences (with their GEMMs at given sizes: the recurrent model preset)
     "rnn": lambda: rnn.preset() + rnn_persistent.preset(),
 }
 

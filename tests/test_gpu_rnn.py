@@ -122,12 +122,20 @@ def test_a_device_dropout_seed_is_read_at_run_time():
     args = (cupy.asarray(x), None, [cupy.asarray(p) for p in host])
     options = {k: v for k, v in options.items() if k != "dropout_seed"}
     words = cupy.asarray(np.array([5, 1], np.int64))
-    first = [cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=words)[0]) for _ in range(2)]
-    np.testing.assert_array_equal(first[1], cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=(5, 1))[0]))
+    y_bytes = x.itemsize * x.shape[0] * x.shape[1] * 2 * CASES["lstm_three_layers_dropout"][4]
+
+    def output(seed):  # the output, NaN-poisoned before the call
+        poison_next_allocation(y_bytes)
+        y = cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=seed)[0])
+        assert not np.isnan(y).any()
+        return y
+
+    first = [output(words) for _ in range(2)]
+    np.testing.assert_array_equal(first[1], output((5, 1)))
     np.testing.assert_array_equal(first[0], first[1])
     words[0] = 6
-    changed = cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=words)[0])
-    np.testing.assert_array_equal(changed, cupy.asnumpy(nvdnn.lstm(*args, **options, dropout_seed=6)[0]))
+    changed = output(words)
+    np.testing.assert_array_equal(changed, output(6))
     assert not np.array_equal(changed, first[0])
 
 

@@ -180,7 +180,7 @@ def host_device(monkeypatch):
     monkeypatch.setattr(arrays, "all_to_device", lambda values: ({r: v for r, v in values.items() if v is not None},
                                                                  None))
     monkeypatch.setattr(callsite, "note_scratch", lambda buffer: None)
-    monkeypatch.setattr(functional_rnn.runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(functional_rnn, "sm_count", lambda: 132)
     monkeypatch.setattr(functional_rnn.rnn_persistent, "choose", lambda *args: None)
     monkeypatch.setattr(arrays, "device_vector", lambda cp, v, kind, name: np.ascontiguousarray(v, kind))
     monkeypatch.setattr(functional_rnn, "matmul", host_matmul)

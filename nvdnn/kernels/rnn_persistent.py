@@ -86,7 +86,7 @@ class RNNPersistentSpec(KernelSpec):
         return split
 
     def shared_bytes(self, hidden: int) -> int:
-        pitch = -(-hidden // 16) * 16 + 8
+        pitch = k_steps(hidden) * 16 + 8
         return (self.rows + self.batch_tiles * 8) * pitch * 2 + self.ksplit * self.rows * self.batch_tiles * 8 * 4
 
     def render_context(self) -> dict:
@@ -116,24 +116,30 @@ def _in_registers(spec: RNNPersistentSpec, hidden: int) -> RNNPersistentSpec:
     row_tiles = spec.rows // 16
     if 8 % row_tiles or not config.get("NVDNN_UNMEASURED"):  # not yet run on a GPU
         return spec
-    steps = -(-(-(-hidden // 16)) // (8 // row_tiles))
+    steps = -(-k_steps(hidden) // (8 // row_tiles))
     kreg = next((k for k in KREG[1:] if k >= steps and 4 * (k + spec.batch_tiles) <= REGISTER_BUDGET), 0)
     held = dataclasses.replace(spec, kreg=kreg) if kreg else spec
     return held if held.shared_bytes(hidden) <= SHARED_LIMIT else spec
 
 
+def k_steps(hidden: int) -> int:
+    """The MMA's K steps over a state of ``hidden`` units (16 each; Kp = 16 k_steps)."""
+    return -(-hidden // 16)
+
+
 def h_buf_shape(batch: int, hidden: int) -> tuple:
     """The ping-pong state's scratch, of the io type: two (B, Kp) states."""
-    return (2, batch, -(-hidden // 16) * 16)
+    return (2, batch, k_steps(hidden) * 16)
 
 
 def plan(spec: RNNPersistentSpec, batch: int, hidden: int, steps: int, *, reverse: bool, y_st: int, y_sb: int,
          xg_st: int, xg_sb: int) -> Plan:
     """One launch for a direction's ``steps`` (strides in elements). A spec holding W in registers
     serves only the hidden sizes whose K steps a warp's ``kreg`` covers (choose() picks so)."""
-    if spec.kreg and -(-(-(-hidden // 16)) // spec.ksplit) > spec.kreg:
-        raise ValidationError(f"hidden: {hidden} units give a warp {-(-(-(-hidden // 16)) // spec.ksplit)} K steps; "
-                              f"{spec.uri} holds {spec.kreg}", arg="hidden")
+    per_warp = -(-k_steps(hidden) // spec.ksplit)
+    if spec.kreg and per_warp > spec.kreg:
+        raise ValidationError(f"hidden: {hidden} units give a warp {per_warp} K steps; {spec.uri} holds {spec.kreg}",
+                              arg="hidden")
     args = (np.int32(batch), np.int32(hidden), np.int32(steps), np.int32(reverse), np.int64(y_st), np.int64(y_sb),
             np.int64(xg_st), np.int64(xg_sb))
     return Plan((Launch(spec, (-(-hidden // spec.units), 1, 1), (THREADS, 1, 1), spec.shared_bytes(hidden),
