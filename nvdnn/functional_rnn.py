@@ -48,9 +48,6 @@ def _check(mode, input, hx, params, num_layers, bidirectional, batch_first, bias
     _check_states(mode, hx, ("hx", "h0", "c0"), layout, batch, len(x.shape) == 2, kind)
     if lengths is not None:
         _check_lengths(lengths, batch, steps)
-        if layout.proj_size:
-            raise UnsupportedError("lengths: with proj_size the GPU path takes no lengths yet; "
-                                   "nvdnn.reference computes it", arg="lengths")
     dropout_seed_words.check(dropout, dropout_seed, "dropout", used=layout.num_layers > 1)
     return layout, weights, steps, batch
 
@@ -109,6 +106,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
         checks.unmeasured(f"nvdnn.{mode}", "training forward (the tape for its backward)", "training")
     if dropout and layout.num_layers > 1:
         checks.unmeasured(f"nvdnn.{mode}", "between-layer dropout kernel", "dropout")
+    if layout.proj_size and lengths is not None:
+        checks.unmeasured(f"nvdnn.{mode}", "projected state's carry past a sequence's length", "lengths")
     cp = arrays.cupy()
     h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
     given = {"input": input, "h0": h0, "c0": c0}
@@ -158,6 +157,7 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
             hg = _scratch(cp, (batch, gates * hidden), "float32")
             c = _scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
             h_full = _scratch(cp, (batch, hidden), kind) if layout.proj_size else None
+            carried = _scratch(cp, (batch, out), kind) if h_full is not None and lens is not None else None
             start = xs["h0"][state] if "h0" in xs else None
             previous = start
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
@@ -182,11 +182,17 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                 if h_full is not None:
                     matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
                     previous = y_t
+                    if carried is not None:  # past a sequence's length its state stays, y is zero
+                        th_t = at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else None
+                        launcher.run(family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=_rows(y_t)), {
+                            "y": y_t, "hp": carried, "h0": _NULL if start is None else start, "lengths": lens,
+                            "th": _NULL if th_t is None else th_t}, stream=stream)
+                        previous = carried
                 else:
                     previous = h_n[state]
-            if layout.proj_size:  # h_n: the last step's projected h, which lies in y
+            if layout.proj_size:  # h_n: the last step's projected h, which lies in y (or the carry)
                 cast(previous, kind, out=h_n[state])
-                if tape:
+                if tape and carried is None:
                     columns = (Ellipsis, slice(d * out, (d + 1) * out))
                     _projected_tape(y_layer[columns], tape[1][layer][columns], start, d == 1, batch_first, kind)
         if seed and layer < layout.num_layers - 1:  # what the next layer reads (and the tape keeps)
@@ -216,6 +222,11 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "w_hh": w_hh, "b_hh": w["b_hh"] if w["b_hh"] is not None else _NULL,
         "h0": xs["h0"][state] if "h0" in xs else _NULL, "c0": xs["c0"][state] if "c0" in xs else _NULL,
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
+
+
+def _rows(step) -> int:
+    """The row stride, in elements, of one step's (B, ...) view."""
+    return step.strides[0] // step.itemsize
 
 
 def step_view(batch_first: bool):

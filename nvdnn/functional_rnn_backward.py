@@ -22,7 +22,7 @@ import numpy as np
 from . import arrays, callsite, dropout_seed_words, functional_anchors, functional_rnn, launcher, rnn_tape
 from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
-from .functional import add, cast, elementwise, mul
+from .functional import cast, elementwise, mul
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .rnn_params import KEYS
@@ -67,11 +67,6 @@ def _forward_tape(mode, xs: dict, layout, options: dict, stream) -> tuple:
         if made is not None:
             callsite.note_scratch(made)
     return tape
-
-
-def _rows(step) -> int:
-    """The row stride, in elements, of one step's (B, ...) view."""
-    return step.strides[0] // step.itemsize
 
 
 def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_layers, bidirectional, batch_first,
@@ -125,17 +120,18 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
             tape_steps = tape[0][layer, d].reshape(y_shape[:2] + (-1,))
             dh = functional_rnn._scratch(cp, (batch, hidden), "float32")
             dc = functional_rnn._scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
-            projection = _Projection(cp, rows.shape[0], y_shape, batch, out, kind) if layout.proj_size else None
+            projection = _Projection(cp, rows.shape[0], y_shape, batch, out, kind, lens, at_step) \
+                if layout.proj_size else None
             order = range(steps - 1, -1, -1) if d == 0 else range(steps)  # the forward's steps, the last first
             for k, t in enumerate(order):
                 dy_t, tape_t, dg_t, dgh_t = (at_step(a, t) for a in (d_out, tape_steps, dg_steps, dgh_steps))
                 dy_t = dy_t[:, cols]
                 last = k == steps - 1
                 if projection:  # dh = (dy + the recurrent part) W_hr: the cell kernel's whole dh
-                    projection.gradient(at_step(projection.d_steps, t), dy_t, xs["dh_n"][state] if "dh_n" in xs
-                                        else None, k == 0, w["w_hr"], dh, stream)
+                    projection.gradient(t, dy_t, xs["dh_n"][state] if "dh_n" in xs else None, k == 0, w["w_hr"],
+                                        dh, stream)
                 plan = family.plan_cell_backward(mode, kind, batch, hidden, t=t, first=k == 0, last=last,
-                                                 y_sb=_rows(dy_t), tape_sb=_rows(tape_t), dg_sb=_rows(dg_t))
+                                                 y_sb=functional_rnn._rows(dy_t), tape_sb=functional_rnn._rows(tape_t), dg_sb=functional_rnn._rows(dg_t))
                 launcher.run(plan, {
                     "dg": dg_t, "dgh": dgh_t if mode == "gru" else _NULL, "dh": dh, "tape": tape_t,
                     "dc": dc if dc is not None else _NULL, "dc_out": grad_c0[state] if grad_c0 is not None else _NULL,
@@ -145,7 +141,7 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
                     "dc_n": xs["dc_n"][state] if "dc_n" in xs else _NULL,
                     "lengths": lens if lens is not None else _NULL}, stream=stream)
                 target = grad_h0[state] if last else projection.dh if projection else dh
-                matmul(dgh_t, w["w_hh"], residual=None if projection else dh, out=target,
+                matmul(dgh_t, w["w_hh"], residual=projection.carry if projection else dh, out=target,
                        dtype=kind if last else "float32", stream=stream)
             g = grads[layer][d]
             if projection:
@@ -174,24 +170,28 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
 
 class _Projection:
     """An LSTM projection's part of a direction's backward (h = W_hr (o tanh(c))): the running
-    gradient of the projected state (float32) and every step's gradient of it in the io type,
-    rows as the layer output's, for dW_hr."""
+    gradient of the projected state (float32), every step's gradient of it in the io type, rows
+    as the layer output's, for dW_hr, and with lengths the running gradient of the sequences not
+    active at the step (``carry``, which the recurrent GEMM adds)."""
 
-    def __init__(self, cp, rows: int, y_shape: tuple, batch: int, out: int, kind: str):
-        self.cp, self.kind = cp, kind
+    def __init__(self, cp, rows: int, y_shape: tuple, batch: int, out: int, kind: str, lengths, at_step):
+        self.cp, self.kind, self.lengths, self.at_step = cp, kind, lengths, at_step
         self.dh = functional_rnn._scratch(cp, (batch, out), "float32")
+        self.carry = None if lengths is None else functional_rnn._scratch(cp, (batch, out), "float32")
         self.d_rows = functional_rnn._scratch(cp, (rows, out), kind)
         self.d_steps = self.d_rows.reshape(y_shape[:2] + (out,))
 
-    def gradient(self, d_t, dy_t, dh_n, first: bool, w_hr, dh, stream) -> None:
-        """Step t's gradient of the projected h into d_t (dy_t and the recurrent part: dh_n on the
-        first step taken), and through W_hr the unprojected one into ``dh``."""
-        if not first:
-            add(dy_t, self.dh, out=d_t)
-        elif dh_n is not None:
-            add(dy_t, dh_n, out=d_t)
-        else:
-            cast(dy_t, self.kind, out=d_t)
+    def gradient(self, t: int, dy_t, dh_n, first: bool, w_hr, dh, stream) -> None:
+        """Step t's gradient of the projected h (dy_t and the recurrent part: dh_n on the first
+        step taken; zero past the sequence's length), and through W_hr the unprojected one into
+        ``dh``."""
+        batch, out = self.dh.shape
+        d_t = self.at_step(self.d_steps, t)
+        plan = family.plan_proj_carry(self.kind, batch, out, t=t, first=first, y_sb=functional_rnn._rows(dy_t),
+                                      d_sb=functional_rnn._rows(d_t))
+        launcher.run(plan, {"d": d_t, "carry": _NULL if self.carry is None else self.carry, "dy": dy_t,
+                            "dhp": self.dh, "dh_n": _NULL if dh_n is None else dh_n,
+                            "lengths": _NULL if self.lengths is None else self.lengths}, stream=stream)
         matmul(d_t, w_hr, out=dh, dtype="float32", stream=stream)
 
     def weight_gradient(self, gates, hidden: int, stream):

@@ -32,6 +32,8 @@ CASES = {  # name: (mode, T, B, input, hidden, options)
     "lstm_proj": ("lstm", 5, 2, 6, 16, dict(proj_size=8, num_layers=2)),
     "lstm_proj_bidirectional_batch_first": ("lstm", 4, 3, 6, 16, dict(proj_size=5, bidirectional=True,
                                                                      batch_first=True)),
+    "lstm_proj_lengths_bidirectional": ("lstm", 5, 3, 6, 16, dict(proj_size=7, num_layers=2, bidirectional=True,
+                                                                  lengths=[5, 2, 0])),
     "lstm_no_bias_unbatched": ("lstm", 5, None, 4, 8, dict(bias=False)),
     "gru_one_layer": ("gru", 7, 3, 5, 7, {}),
     "gru_two_layers_bidirectional_lengths": ("gru", 5, 4, 6, 16, dict(num_layers=2, bidirectional=True,

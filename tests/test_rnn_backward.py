@@ -19,7 +19,7 @@ from nvdnn.kernels import rnn, rnn_persistent
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.warm import warm
 
-from .test_rnn import _cell, host_device, host_dropout, host_matmul, module_weights, rows_of
+from .test_rnn import HOST_KERNELS, _cell, host_device, host_matmul, module_weights, rows_of
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,8 @@ def test_the_inference_kernels_keep_their_keys():
         assert "train" not in plain.to_dict()["fields"] and plain.uri == f"rnn/{mode}_cell/f16"
         assert " th," not in codegen.render(plain) and " th," in codegen.render(train)
         assert train.uri.endswith("/train") and train.digest != plain.digest
-    assert {type(s) for s in rnn.preset()} == {rnn.RNNCellSpec, rnn.RNNCellBackwardSpec, rnn.RNNDropoutSpec}
+    assert {type(s) for s in rnn.preset()} == {rnn.RNNCellSpec, rnn.RNNCellBackwardSpec, rnn.RNNDropoutSpec,
+                                              rnn.RNNProjCarrySpec}
 
 
 def test_a_backward_step_plan_is_one_launch_over_every_unit():
@@ -114,6 +115,9 @@ def test_what_is_unmeasured_waits_behind_its_setting(monkeypatch):
         nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
     with pytest.raises(UnsupportedError, match="dropout: nvdnn.lstm's between-layer dropout .* NVDNN_UNMEASURED"):
         nvdnn.lstm(x, None, _params(num_layers=2), num_layers=2, dropout=0.5, dropout_seed=1)
+    projected = module_weights("lstm", I, H, dict(proj_size=3), np.float32, np.random.default_rng(0))
+    with pytest.raises(UnsupportedError, match="lengths: nvdnn.lstm's projected state's carry .* NVDNN_UNMEASURED"):
+        nvdnn.lstm(x, None, projected, lengths=[T] * B)
 
 
 def test_a_bad_training_flag_is_named():
@@ -188,7 +192,7 @@ def _cell_backward(plan, tensors):
 
 def _launch(plan, tensors, stream=None):
     spec = plan.launches[0].spec
-    kernel = {rnn.RNNCellSpec: _cell, rnn.RNNDropoutSpec: host_dropout}.get(type(spec), _cell_backward)
+    kernel = {rnn.RNNCellSpec: _cell, **HOST_KERNELS}.get(type(spec), _cell_backward)
     return kernel(plan, tensors)
 
 
@@ -222,7 +226,6 @@ def host(monkeypatch):
     monkeypatch.setattr(functional_rnn.launcher, "run", _launch)
     monkeypatch.setattr(functional_rnn_backward, "matmul", host_matmul)
     monkeypatch.setattr(functional_rnn_backward, "cast", _host_cast)
-    monkeypatch.setattr(functional_rnn_backward, "add", lambda a, b, out: out.__setitem__(..., a + b))
     monkeypatch.setattr(functional_rnn_backward, "mul", lambda a, b, out: out.__setitem__(..., a * b))
     monkeypatch.setattr(functional_rnn_backward, "elementwise", _host_chain)
     monkeypatch.setattr(functional_anchors, "sum", lambda x, axis, dtype, stream: x.astype(np.float64).sum(axis)
@@ -241,6 +244,7 @@ CASES = [  # mode, T, B (None: unbatched), hidden, options
     ("lstm", 4, 3, 8, dict(proj_size=5, num_layers=2, bidirectional=True)),
     ("lstm", 3, 2, 6, dict(proj_size=2, batch_first=True, num_layers=2, dropout=0.3, dropout_seed=2)),
     ("lstm", 1, None, 3, dict(proj_size=1)),
+    ("lstm", 4, 3, 6, dict(proj_size=3, num_layers=2, bidirectional=True, lengths=np.array([4, 1, 0]))),
 ]
 
 

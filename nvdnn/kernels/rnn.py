@@ -22,6 +22,11 @@ dy / th, the tape and dg / dgh.
 Between layers, dropout (templates/rnn/dropout.cu.j2, its own spec) drops a layer's output in
 place before the next layer's GEMM reads it, and the backward drops the gradient handed down
 with the same draw. Pointers: dst, src, the {seed, offset} words.
+
+An LSTM with proj_size and lengths keeps its projected state apart from the projection GEMM's
+output (templates/rnn/proj_carry.cu.j2, its own spec): forward pointers y (the step's rows),
+hp, h0, lengths, th; backward d, carry, dy, dhp, dh_n, lengths; then batch, out, t, first and
+the row strides of y (and d).
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ POINTERS = ("y", "h", "c", "c_out", "xg", "hg", "hb", "h0", "c0", "lengths")
 TRAIN_POINTERS = POINTERS + ("th",)
 BACKWARD_POINTERS = ("dg", "dgh", "dh", "dc", "dc_out", "tape", "th", "dy", "dh_n", "dc_n", "lengths")
 DROPOUT_POINTERS = ("dst", "src", "dropout_seed")
+CARRY_POINTERS = ("y", "hp", "h0", "lengths", "th")
+CARRY_BACKWARD_POINTERS = ("d", "carry", "dy", "dhp", "dh_n", "lengths")
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,32 @@ class RNNDropoutSpec(KernelSpec):
         return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "rnn_tag": RNN_TAG}
 
 
+@dataclass(frozen=True)
+class RNNProjCarrySpec(KernelSpec):
+    """A projected state's step past a sequence's length, forward or backward (proj_carry.cu.j2)."""
+    family = "rnn_proj_carry"
+    template = "rnn/proj_carry.cu.j2"
+    tiles_exact = True
+
+    dtype: str
+    backward: bool = optional_field(False)
+
+    def validate(self) -> None:
+        one_of(self.dtype, DTYPES, "dtype")
+        one_of(self.backward, (False, True), "backward")
+
+    @property
+    def uri(self) -> str:
+        return f"rnn_proj_carry/{dtypes.BY_NAME[self.dtype].short}" + ("/backward" if self.backward else "")
+
+    @property
+    def entry(self) -> str:
+        return "nvdnn_rnn_proj_carry" + ("_backward" if self.backward else "")
+
+    def render_context(self) -> dict:
+        return {"io_t": dtypes.BY_NAME[self.dtype].ctype, "backward": self.backward}
+
+
 def check_units(batch: int, hidden: int) -> None:
     """The cell kernel's thread a (sequence, hidden unit) counts in 32 bits."""
     if batch * hidden >= 2 ** 31:
@@ -161,6 +194,17 @@ def plan_dropout(dtype: str, shape: tuple, *, st: int, sb: int, layer: int, p: f
                         DROPOUT_POINTERS, args),))
 
 
+def plan_proj_carry(dtype: str, batch: int, out: int, *, t: int, first: bool, y_sb: int, d_sb: int | None = None
+                    ) -> Plan:
+    """One step's projected-state launch (check_units passed for out); ``d_sb`` (the gradient
+    rows' stride) plans the backward's."""
+    backward = d_sb is not None
+    args = (np.int32(batch), np.int32(out), np.int32(t), np.int32(first), np.int64(y_sb)) + (
+        (np.int64(d_sb),) if backward else ())
+    return Plan((Launch(RNNProjCarrySpec(dtype, backward), (-(-batch * out // THREADS), 1, 1), (THREADS, 1, 1), 0,
+                        CARRY_BACKWARD_POINTERS if backward else CARRY_POINTERS, args),))
+
+
 def unsupported_reason(spec, arch: str) -> str | None:
     return None
 
@@ -170,6 +214,8 @@ def candidates(spec) -> list:
 
 
 def preset() -> list:
-    """Both cells in every type: inference, training forward and backward; the dropout."""
+    """Both cells in every type: inference, training forward and backward; the dropout; the
+    projected state's carry."""
     return [RNNCellSpec(mode, dtype, train) for train in (False, True) for mode in MODES for dtype in DTYPES] + [
-        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES] + [RNNDropoutSpec(d) for d in DTYPES]
+        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES] + [RNNDropoutSpec(d) for d in DTYPES] + [
+        RNNProjCarrySpec(d, backward) for d in DTYPES for backward in (False, True)]
