@@ -184,7 +184,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     previous = y_t
                     if carried is not None:  # past a sequence's length its state stays, y is zero
                         th_t = at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else None
-                        launcher.run(family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=_rows(y_t)), {
+                        carry = family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=row_stride(y_t))
+                        launcher.run(carry, {
                             "y": y_t, "hp": carried, "h0": _NULL if start is None else start, "lengths": lens,
                             "th": _NULL if th_t is None else th_t}, stream=stream)
                         previous = carried
@@ -224,7 +225,7 @@ def _recurrence(cp, spec, xs, w, xg_steps, y_dir, h_n, c_n, state, reverse, batc
         "lengths": lens if lens is not None else _NULL, "th": th if th is not None else _NULL}, stream=stream)
 
 
-def _rows(step) -> int:
+def row_stride(step) -> int:
     """The row stride, in elements, of one step's (B, ...) view."""
     return step.strides[0] // step.itemsize
 

@@ -24,6 +24,7 @@ from . import functional_checks as checks
 from .errors import DTypeError, ValidationError
 from .functional import cast, elementwise, mul
 from .functional_matmul import matmul
+from .functional_rnn import row_stride
 from .kernels import rnn as family
 from .rnn_params import KEYS
 
@@ -131,7 +132,8 @@ def _run_backward(mode, grad_output, grad_states, input, hx, params, *, num_laye
                     projection.gradient(t, dy_t, xs["dh_n"][state] if "dh_n" in xs else None, k == 0, w["w_hr"],
                                         dh, stream)
                 plan = family.plan_cell_backward(mode, kind, batch, hidden, t=t, first=k == 0, last=last,
-                                                 y_sb=functional_rnn._rows(dy_t), tape_sb=functional_rnn._rows(tape_t), dg_sb=functional_rnn._rows(dg_t))
+                                                 y_sb=row_stride(dy_t), tape_sb=row_stride(tape_t),
+                                                 dg_sb=row_stride(dg_t))
                 launcher.run(plan, {
                     "dg": dg_t, "dgh": dgh_t if mode == "gru" else _NULL, "dh": dh, "tape": tape_t,
                     "dc": dc if dc is not None else _NULL, "dc_out": grad_c0[state] if grad_c0 is not None else _NULL,
@@ -187,8 +189,8 @@ class _Projection:
         ``dh``."""
         batch, out = self.dh.shape
         d_t = self.at_step(self.d_steps, t)
-        plan = family.plan_proj_carry(self.kind, batch, out, t=t, first=first, y_sb=functional_rnn._rows(dy_t),
-                                      d_sb=functional_rnn._rows(d_t))
+        plan = family.plan_proj_carry(self.kind, batch, out, t=t, first=first, y_sb=row_stride(dy_t),
+                                      d_sb=row_stride(d_t))
         launcher.run(plan, {"d": d_t, "carry": _NULL if self.carry is None else self.carry, "dy": dy_t,
                             "dhp": self.dh, "dh_n": _NULL if dh_n is None else dh_n,
                             "lengths": _NULL if self.lengths is None else self.lengths}, stream=stream)

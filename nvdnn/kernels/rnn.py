@@ -217,5 +217,5 @@ def preset() -> list:
     """Both cells in every type: inference, training forward and backward; the dropout; the
     projected state's carry."""
     return [RNNCellSpec(mode, dtype, train) for train in (False, True) for mode in MODES for dtype in DTYPES] + [
-        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES] + [RNNDropoutSpec(d) for d in DTYPES] + [
-        RNNProjCarrySpec(d, backward) for d in DTYPES for backward in (False, True)]
+        RNNCellBackwardSpec(mode, dtype) for mode in MODES for dtype in DTYPES] + [RNNDropoutSpec(d) for d in DTYPES] \
+        + [RNNProjCarrySpec(d, backward) for d in DTYPES for backward in (False, True)]
