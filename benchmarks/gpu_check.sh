@@ -2,6 +2,8 @@
 # One call on the GPU machine: environment facts, the GPU tests, the benchmarks; a short table last.
 #   NVDNN_CACHE_DIR=.gpu-cache bash benchmarks/gpu_check.sh [pytest args...]
 #   BENCHES="" CALLS=quick SWEEP=quick bash benchmarks/gpu_check.sh -k nothing   # the optional stages only
+#   NVDNN_UNMEASURED=1 BENCHES="" RNN=quick DECODER=1 bash benchmarks/gpu_check.sh -n 14 tests/test_gpu_rnn.py \
+#       tests/test_gpu_rnn_backward.py   # the recurrent cells' GPU tests and benchmarks, the decoder's check
 # Logs and JSON go to $OUT (or ./gpu-out); NVDNN_RECORD collects the specs the run needed.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -33,6 +35,19 @@ if [ -n "${SWEEP:-}" ]; then
   timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/bench_sweep.py $([ "$SWEEP" = quick ] && echo --quick) \
       ${SWEEP_FAMILIES:+--family "$SWEEP_FAMILIES"} --json "$out/bench_sweep.json" > "$out/bench_sweep.log" 2>&1
   grep -E "^(pointwise|norm|softmax|reduce|pool): |Error|error" "$out/bench_sweep.log" | tail -40
+fi
+# RNN=quick|full: bench_rnn's LSTM forward and training step (quick: 128 steps, one layer); DECODER=1: the
+# decoder-layer example's op-by-op check against the float64 reference at a small LLaMA-like shape
+if [ -n "${RNN:-}" ]; then
+  for train in "" --train; do
+    timeout "${RNN_TIMEOUT:-120}" python3 benchmarks/bench_rnn.py $([ "$RNN" = quick ] && echo --quick) $train \
+        --json "$out/bench_rnn${train:+_train}.json" > "$out/bench_rnn${train:+_train}.log" 2>&1
+    tail -16 "$out/bench_rnn${train:+_train}.log"
+  done
+fi
+if [ -n "${DECODER:-}" ]; then
+  timeout "${DECODER_TIMEOUT:-60}" python3 examples/decoder_layer.py --check-ops --seq 512 --hidden 1024 --heads 8 \
+      --kv-heads 2 --ffn 3584 2>&1 | tee "$out/decoder_check.log" | tail -4
 fi
 python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_cache().info()['entries'])"
 if [ -n "${NVDNN_PROFILE:-}" ] && command -v ncu >/dev/null; then  # counters of the kernels short of target
