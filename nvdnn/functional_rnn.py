@@ -163,10 +163,11 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
             for k, t in enumerate(order):
                 y_t = at_step(y_layer, t)[:, d * out:(d + 1) * out]
+                th_t = at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else None
                 if previous is not None:
                     matmul(previous, w["w_hh"].T, bias=w["b_hh"], dtype="float32", out=hg, stream=stream)
                 plan = family.plan_cell(mode, kind, batch, hidden, t=t, first=k == 0, last=k == steps - 1,
-                                        y_sb=y_t.strides[0] // y_t.itemsize if h_full is None else hidden,
+                                        y_sb=row_stride(y_t) if h_full is None else hidden,
                                         xg_sb=xg_steps.strides[1 if not batch_first else 0] // 4,
                                         hg_sb=gates * hidden, train=tape is not None)
                 target = h_full if h_full is not None else h_n[state]
@@ -177,13 +178,12 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     "hb": w["b_hh"] if previous is None and w["b_hh"] is not None else _NULL,
                     "h0": _NULL if start is None or layout.proj_size else start,
                     "c0": xs["c0"][state] if "c0" in xs else _NULL, "lengths": lens if lens is not None else _NULL,
-                    "th": at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape and h_full is None else _NULL},
+                    "th": th_t if th_t is not None and h_full is None else _NULL},
                     stream=stream)
                 if h_full is not None:
                     matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
                     previous = y_t
                     if carried is not None:  # past a sequence's length its state stays, y is zero
-                        th_t = at_step(tape[1][layer], t)[:, d * out:(d + 1) * out] if tape else None
                         carry = family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=row_stride(y_t))
                         launcher.run(carry, {
                             "y": y_t, "hp": carried, "h0": _NULL if start is None else start, "lengths": lens,
@@ -289,7 +289,8 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     hidden), or None for zeros; ``params`` the weights in ``nn.LSTM._flat_weights`` order, or a
     mapping with its parameter names (``module.state_dict()``): ``weight_hr`` gives proj_size.
     ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
-    h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
+    h_n / c_n their last step's; with a projection not yet run on a GPU: behind
+    NVDNN_UNMEASURED=1). The state is float32 between steps (c) and the input's type
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` > 0 drops each layer's output
     but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
     ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run

@@ -32,7 +32,7 @@ _NULL = np.uint64(0)
 
 
 def _check(mode, grad_output, grad_states, input, hx, params, options: dict, tape) -> tuple:
-    """The forward's rules (functional_rnn._check), a projection refused, the gradients' shapes
+    """The forward's rules (functional_rnn._check), the gradients' shapes
     and types, the reserve's arrays: all before any device work. (layout, weights, T, B, type)."""
     layout, weights, steps, batch = functional_rnn._check(mode, input, hx, params, **options)
     x = checks.describe(input, "input")

@@ -14,16 +14,18 @@ batch_first), so each weight gradient is one GEMM over every step:
                                            (T, B, D*O) or (B, T, D*O), O = proj_size or H,
                                            direction d in columns d*O..: dW_hh = dG_hh^T h_prev is
                                            one GEMM over T*B rows (with a projection the
-                                           functional layer copies it from the output)
+                                           functional layer copies it from the output, or
+                                           with lengths proj_carry.cu.j2 writes it)
     outputs  (L-1, *output shape) io type  each layer's output but the last (None for one layer):
                                            the next layer's input, for its dW_ih
 
 Bytes: L*D*T*B*H*(4*(G+1) + s) + (L-1)*T*B*D*H*s, s the io type's size; an fp16 LSTM keeps
 T*B*H*D*(22*L + 2*(L-1)). The gates stay float32: the derivatives (i (1 - i), 1 - g^2, ...)
 and c = f c_prev + i g would take a 16-bit rounding each (bf16: 2^-9) that the forward never
-made; in float32 the backward sees the forward's own values. Lengths: rows past a sequence's
-length hold no gates (the backward never reads them); h_prev and outputs are written at every
-step, so the GEMMs read only finite values.
+made; in float32 the backward sees the forward's own values. Lengths: the step kernel writes zeros
+over the gates of rows past a sequence's length (a projection's dW_hr rebuilds h from every
+row; the persistent kernel, which takes no projection, leaves them); h_prev and outputs are
+written at every step, so the GEMMs read only finite values.
 """
 from __future__ import annotations
 

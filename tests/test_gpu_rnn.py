@@ -17,7 +17,7 @@ pytestmark = requires_gpu
 @pytest.fixture(autouse=True)
 def unmeasured(monkeypatch):
     """What waits behind NVDNN_UNMEASURED (the persistent kernel's W in registers, the training
-    forward and backward) runs here: these tests are its measurement."""
+    forward and backward, dropout, lengths with proj_size) runs here: these tests are its measurement."""
     monkeypatch.setenv("NVDNN_UNMEASURED", "1")
 
 

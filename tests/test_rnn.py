@@ -25,6 +25,16 @@ def test_a_step_plan_is_one_launch_over_every_unit():
     assert [int(a) for a in launch.args] == [3, 129, 4, 0, 1, 258, 387, 387]
 
 
+def test_a_carry_plan_is_one_launch_over_every_projected_unit():
+    forward = rnn.plan_proj_carry("bfloat16", 3, 100, t=2, first=True, y_sb=600)
+    backward = rnn.plan_proj_carry("float32", 3, 100, t=0, first=False, y_sb=600, d_sb=300)
+    for plan, uri, pointers, args in ((forward, "rnn_proj_carry/bf16", rnn.CARRY_POINTERS, [3, 100, 2, 1, 600]), (
+            backward, "rnn_proj_carry/f32/backward", rnn.CARRY_BACKWARD_POINTERS, [3, 100, 0, 0, 600, 300])):
+        (launch,) = plan.launches
+        assert launch.spec.uri == uri and launch.grid == (2, 1, 1) and launch.pointers == pointers
+        assert [int(a) for a in launch.args] == args
+
+
 H, I = 7, 5
 
 
@@ -119,7 +129,7 @@ def _cell(plan, tensors, stream=None):
         n = np.tanh(pre[:, 2] + sig(pre[:, 0] + rec[:, 0]) * rec[:, 2])
         taped = (sig(pre[:, 0] + rec[:, 0]), z, n, rec[:, 2])
         h_new = np.where(active, (1 - z) * n + z * h_prev, h_prev)
-    if launch.spec.train:  # over the xg row, the active sequences' only
+    if launch.spec.train:  # over the xg row: the gates of active sequences, zeros past a length
         tape = rows("xg", xg_sb, len(taped) * hidden).reshape(batch, len(taped), hidden)
         tape[...] = np.where(active[:, None], np.stack(taped, axis=1), 0)
     h_io = h_new.astype(h.dtype)
@@ -141,27 +151,29 @@ def host_dropout(plan, tensors):
 
 
 def host_proj_carry(plan, tensors):
-    """templates/rnn/proj_carry.cu.j2 in NumPy, forward or backward, through the plan's strides."""
+    """templates/rnn/proj_carry.cu.j2 in NumPy, forward or backward, every operand read through
+    its pointer as the kernel reads it: rows y_sb (d: d_sb) apart, the states packed (B, out)."""
     (launch,) = plan.launches
     backward = launch.spec.backward
     assert launch.pointers == (rnn.CARRY_BACKWARD_POINTERS if backward else rnn.CARRY_POINTERS)
     batch, out, t, first, y_sb, *d_sb = (int(a) for a in launch.args)
-    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64)}
+    given = {role: x for role, x in tensors.items() if not isinstance(x, np.uint64) and role in launch.pointers}
     active = (t < given["lengths"] if "lengths" in given else np.ones(batch, bool))[:, None]
+
+    def rows(role, stride=out):
+        return rows_of(given[role], batch, stride, out)
+    start = rows("dh_n" if backward else "h0") if ("dh_n" if backward else "h0") in given else np.zeros((batch, out))
     if backward:
-        start = given["dh_n"] if "dh_n" in given else np.zeros((batch, out))
-        previous = (start if first else given["dhp"]).astype(np.float64)
-        dy = rows_of(given["dy"], batch, y_sb, out).astype(np.float64)
-        rows_of(given["d"], batch, d_sb[0], out)[...] = np.where(active, dy + previous, 0)
+        previous = (start if first else rows("dhp")).astype(np.float32)
+        rows("d", d_sb[0])[...] = np.where(active, rows("dy", y_sb).astype(np.float32) + previous, 0)
         if "carry" in given:
-            given["carry"][...] = np.where(active, 0, previous)
+            rows("carry")[...] = np.where(active, 0, previous)
         return
-    hp = given["hp"]
-    previous = (given["h0"] if "h0" in given else np.zeros_like(hp)) if first else hp.copy()
-    y = rows_of(given["y"], batch, y_sb, out)
+    previous = start if first else rows("hp").copy()
+    y = rows("y", y_sb)
     if "th" in given:
-        rows_of(given["th"], batch, y_sb, out)[...] = previous
-    hp[...] = np.where(active, y, previous)
+        rows("th", y_sb)[...] = previous
+    rows("hp")[...] = np.where(active, y, previous)
     y[...] = np.where(active, y, 0)
 
 

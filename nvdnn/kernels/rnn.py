@@ -23,10 +23,12 @@ Between layers, dropout (templates/rnn/dropout.cu.j2, its own spec) drops a laye
 place before the next layer's GEMM reads it, and the backward drops the gradient handed down
 with the same draw. Pointers: dst, src, the {seed, offset} words.
 
-An LSTM with proj_size and lengths keeps its projected state apart from the projection GEMM's
-output (templates/rnn/proj_carry.cu.j2, its own spec): forward pointers y (the step's rows),
-hp, h0, lengths, th; backward d, carry, dy, dhp, dh_n, lengths; then batch, out, t, first and
-the row strides of y (and d).
+An LSTM with proj_size runs a projected-state kernel per step (templates/rnn/proj_carry.cu.j2,
+its own spec): the forward's, with lengths only, keeps the projected state apart from the
+projection GEMM's output; the backward's, every projected step, forms the projected h's
+gradient (and with lengths carries it past inactive rows). Pointers: forward y (the step's
+rows), hp, h0, lengths, th; backward d, carry, dy, dhp, dh_n, lengths; then batch, out, t,
+first and the row strides of y (and d).
 """
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ class RNNDropoutSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class RNNProjCarrySpec(KernelSpec):
-    """A projected state's step past a sequence's length, forward or backward (proj_carry.cu.j2)."""
+    """A projected state's step, forward (with lengths) or backward (proj_carry.cu.j2)."""
     family = "rnn_proj_carry"
     template = "rnn/proj_carry.cu.j2"
     tiles_exact = True
