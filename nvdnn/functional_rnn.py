@@ -182,13 +182,12 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     stream=stream)
                 if h_full is not None:
                     matmul(h_full, w["w_hr"].T, out=y_t, stream=stream)
-                    previous = y_t
                     if carried is not None:  # past a sequence's length its state stays, y is zero
-                        carry = family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=row_stride(y_t))
-                        launcher.run(carry, {
+                        carry_plan = family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=row_stride(y_t))
+                        launcher.run(carry_plan, {
                             "y": y_t, "hp": carried, "h0": _NULL if start is None else start, "lengths": lens,
                             "th": _NULL if th_t is None else th_t}, stream=stream)
-                        previous = carried
+                    previous = y_t if carried is None else carried
                 else:
                     previous = h_n[state]
             if layout.proj_size:  # h_n: the last step's projected h, which lies in y (or the carry)

@@ -19,7 +19,7 @@ from nvdnn.kernels import rnn, rnn_persistent
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.warm import warm
 
-from .test_rnn import HOST_KERNELS, _cell, host_device, host_matmul, module_weights, rows_of
+from .test_rnn import HOST_KERNELS, host_device, host_matmul, module_weights, rows_of
 
 
 @pytest.fixture(autouse=True)
@@ -192,7 +192,7 @@ def _cell_backward(plan, tensors):
 
 def _launch(plan, tensors, stream=None):
     spec = plan.launches[0].spec
-    kernel = {rnn.RNNCellSpec: _cell, **HOST_KERNELS}.get(type(spec), _cell_backward)
+    kernel = {**HOST_KERNELS, rnn.RNNCellBackwardSpec: _cell_backward}[type(spec)]
     return kernel(plan, tensors)
 
 
