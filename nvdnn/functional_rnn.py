@@ -16,7 +16,7 @@ import numpy as np
 from . import arrays, callsite, dropout_seed_words, dtypes, launcher, rnn_tape
 from . import functional_checks as checks
 from .errors import DTypeError, UnsupportedError, ValidationError
-from .functional import cast, scale
+from .functional import cast
 from .functional_matmul import matmul
 from .kernels import rnn as family
 from .kernels import rnn_persistent
@@ -157,7 +157,8 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
             hg = _scratch(cp, (batch, gates * hidden), "float32")
             c = _scratch(cp, (batch, hidden), "float32") if mode == "lstm" else None
             h_full = _scratch(cp, (batch, hidden), kind) if layout.proj_size else None
-            carried = _scratch(cp, (batch, out), kind) if h_full is not None and lens is not None else None
+            # past a length the projected state stays apart from y; the carry kernel also writes the tape's h_prev
+            carried = _scratch(cp, (batch, out), kind) if h_full is not None and (lens is not None or tape) else None
             start = xs["h0"][state] if "h0" in xs else None
             previous = start
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
@@ -185,16 +186,14 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                     if carried is not None:  # past a sequence's length its state stays, y is zero
                         carry_plan = family.plan_proj_carry(kind, batch, out, t=t, first=k == 0, y_sb=row_stride(y_t))
                         launcher.run(carry_plan, {
-                            "y": y_t, "hp": carried, "h0": _NULL if start is None else start, "lengths": lens,
+                            "y": y_t, "hp": carried, "h0": _NULL if start is None else start,
+                            "lengths": _NULL if lens is None else lens,
                             "th": _NULL if th_t is None else th_t}, stream=stream)
                     previous = y_t if carried is None else carried
                 else:
                     previous = h_n[state]
             if layout.proj_size:  # h_n: the last step's projected h, which lies in y (or the carry)
                 cast(previous, kind, out=h_n[state])
-                if tape and carried is None:
-                    columns = (Ellipsis, slice(d * out, (d + 1) * out))
-                    _projected_tape(y_layer[columns], tape[1][layer][columns], start, d == 1, batch_first, kind)
         if seed and layer < layout.num_layers - 1:  # what the next layer reads (and the tape keeps)
             drop_between(y_layer, layer, dropout, seed, batch_first, stream)
         layer_in = y_layer
@@ -232,21 +231,6 @@ def row_stride(step) -> int:
 def step_view(batch_first: bool):
     """(array, step or slice of steps) -> that view of a (T, B, ...) or batch-first (B, T, ...) array."""
     return (lambda a, t: a[:, t]) if batch_first else (lambda a, t: a[t])
-
-
-def _projected_tape(y_dir, th_dir, h0, reverse: bool, batch_first: bool, kind: str) -> None:
-    """A projection's h_prev tape (the cell kernel's h is the unprojected one): each step's
-    previous output, from y, and h0 (zeros without one) at the first step taken."""
-    steps = y_dir.shape[1 if batch_first else 0]
-    at = step_view(batch_first)
-    first, earlier, later = (steps - 1, slice(1, steps), slice(0, steps - 1)) if reverse else (
-        0, slice(0, steps - 1), slice(1, steps))
-    if steps > 1:
-        cast(at(y_dir, earlier), kind, out=at(th_dir, later))
-    if h0 is not None:
-        cast(h0, kind, out=at(th_dir, first))
-    else:  # zeros, as y's row times 0 (unless the projection overflowed to inf: then the forward is lost anyway)
-        scale(at(y_dir, first), 0.0, out=at(th_dir, first))
 
 
 def check_no_masks(dropout_masks) -> None:

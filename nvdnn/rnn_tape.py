@@ -13,9 +13,8 @@ batch_first), so each weight gradient is one GEMM over every step:
     h_prev   (L, *output shape) io type    h_{t-1} of every step, laid out as the layer's output
                                            (T, B, D*O) or (B, T, D*O), O = proj_size or H,
                                            direction d in columns d*O..: dW_hh = dG_hh^T h_prev is
-                                           one GEMM over T*B rows (with a projection the
-                                           functional layer copies it from the output, or
-                                           with lengths proj_carry.cu.j2 writes it)
+                                           one GEMM over T*B rows (with a projection
+                                           proj_carry.cu.j2 writes it, a step at a time)
     outputs  (L-1, *output shape) io type  each layer's output but the last (None for one layer):
                                            the next layer's input, for its dW_ih
 

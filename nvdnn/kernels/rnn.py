@@ -24,8 +24,8 @@ place before the next layer's GEMM reads it, and the backward drops the gradient
 with the same draw. Pointers: dst, src, the {seed, offset} words.
 
 An LSTM with proj_size runs a projected-state kernel per step (templates/rnn/proj_carry.cu.j2,
-its own spec): the forward's, with lengths only, keeps the projected state apart from the
-projection GEMM's output; the backward's, every projected step, forms the projected h's
+its own spec): the forward's, with lengths or a training tape, keeps the projected state
+apart from the projection GEMM's output (and writes the tape's h_prev); the backward's, every projected step, forms the projected h's
 gradient (and with lengths carries it past inactive rows). Pointers: forward y (the step's
 rows), hp, h0, lengths, th; backward d, carry, dy, dhp, dh_n, lengths; then batch, out, t,
 first and the row strides of y (and d).
