@@ -78,8 +78,6 @@ def main():
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_rnn compares against PyTorch's nn.LSTM / nn.GRU: install torch with CUDA")
-    if args.train:  # the training forward and backward wait behind the setting until they have run on a GPU
-        os.environ.setdefault("NVDNN_UNMEASURED", "1")
     import nvdnn
     mode = "gru" if args.gru else "lstm"
     grid = itertools.product(HIDDEN, BATCH, STEPS[:1] if args.quick else STEPS, LAYERS[:1] if args.quick else LAYERS)

@@ -48,8 +48,8 @@ SETTINGS = {s.name: s for s in (
             "file holding a plan-blob signing key (32+ random bytes): Graph.serialize signs with it, and "
             "Graph.deserialize refuses any blob not signed with it"),
     Setting("NVDNN_UNMEASURED", _flag, "0",
-            "1: allow kernels that are written and compile but have not yet run against the float64 "
-            "reference on a GPU (README lists them); 0: they raise UnsupportedError or are not chosen"),
+            "1: choose kernel variants whose speed (or correctness) is not yet established on a GPU "
+            "(README lists them); 0: they are never chosen"),
     Setting("NVDNN_CUDA_INCLUDE", _text, "",
             "folder holding cuda_fp16.h and friends (default: the nvidia-cuda-runtime package, "
             "then $CUDA_PATH/include)"),

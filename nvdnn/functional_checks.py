@@ -277,14 +277,6 @@ def check_matmul(a, b, bias, residual, a_dtype, b_dtype, scales: dict, out, dtyp
     result_dtype(dtype, tuple(dtypes.BY_NAME))
 
 
-def unmeasured(where: str, what: str, arg: str) -> None:
-    """Refuse a kernel that has not yet been checked on a GPU, unless NVDNN_UNMEASURED=1."""
-    from . import config
-    if not config.get("NVDNN_UNMEASURED"):
-        raise UnsupportedError(f"{arg}: {where}'s {what} is written but not yet measured against the float64 "
-                               "reference on a GPU; set NVDNN_UNMEASURED=1 to use it", arg=arg)
-
-
 def device() -> int:
     """The current CUDA device, or a DeviceError saying there is none usable and what runs instead."""
     try:

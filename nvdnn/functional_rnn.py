@@ -102,12 +102,6 @@ def _run(mode, input, hx, params, *, num_layers, bidirectional, batch_first, bia
                                            lengths, dropout, dropout_seed)
     training = checks.flag(training, mode, "training")
     checks.device()
-    if training:
-        checks.unmeasured(f"nvdnn.{mode}", "training forward (the tape for its backward)", "training")
-    if dropout and layout.num_layers > 1:
-        checks.unmeasured(f"nvdnn.{mode}", "between-layer dropout kernel", "dropout")
-    if layout.proj_size and lengths is not None:
-        checks.unmeasured(f"nvdnn.{mode}", "projected state's carry past a sequence's length", "lengths")
     cp = arrays.cupy()
     h0, c0 = (hx if hx is not None else (None, None)) if mode == "lstm" else (hx, None)
     given = {"input": input, "h0": h0, "c0": c0}
@@ -272,15 +266,12 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     hidden), or None for zeros; ``params`` the weights in ``nn.LSTM._flat_weights`` order, or a
     mapping with its parameter names (``module.state_dict()``): ``weight_hr`` gives proj_size.
     ``lengths`` (B,): each sequence's steps, as a packed sequence (outputs past them are zero,
-    h_n / c_n their last step's; with a projection not yet run on a GPU: behind
-    NVDNN_UNMEASURED=1). The state is float32 between steps (c) and the input's type
+    h_n / c_n their last step's). The state is float32 between steps (c) and the input's type
     (h, the next GEMM's operand), as cuDNN keeps it. ``dropout`` > 0 drops each layer's output
     but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
     ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run
     time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed (a
-    device array with the same contents: the backward draws again; not yet run on a GPU: waits
-    behind NVDNN_UNMEASURED=1). The
-    reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
+    device array with the same contents: the backward draws again). The reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
     the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)
     holds what ``nvdnn.lstm_backward(..., reserve=reserve)`` needs, so it recomputes nothing.

@@ -22,12 +22,6 @@ from nvdnn.warm import warm
 from .test_rnn import HOST_KERNELS, host_device, host_matmul, module_weights, rows_of
 
 
-@pytest.fixture(autouse=True)
-def measured_or_not(monkeypatch):
-    """The training forward and the backward wait behind NVDNN_UNMEASURED until they run on a GPU."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "1")
-
-
 def test_the_inference_kernels_keep_their_keys():
     """The train variant is an optional field: the inference kernels' source and digest stay."""
     for mode in rnn.MODES:
@@ -102,22 +96,6 @@ def _reserve(mode="lstm", tape=None, lengths=None, **options):
 def test_bad_arguments_are_named_before_device_work(mode, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         getattr(nvdnn, f"{mode}_backward")(*args, **kwargs)
-
-
-def test_what_is_unmeasured_waits_behind_its_setting(monkeypatch):
-    """Past every argument rule and the device check (faked here), before any device work."""
-    monkeypatch.setenv("NVDNN_UNMEASURED", "0")
-    monkeypatch.setattr(functional_rnn.checks, "device", lambda: 0)
-    x, params = np.zeros((T, B, I), np.float32), _params()
-    with pytest.raises(UnsupportedError, match="training: nvdnn.lstm's training forward .* NVDNN_UNMEASURED=1"):
-        nvdnn.lstm(x, None, params, training=True)
-    with pytest.raises(UnsupportedError, match="grad_output: nvdnn.gru_backward's GPU backward .* NVDNN_UNMEASURED"):
-        nvdnn.gru_backward(np.zeros((T, B, H), np.float32), None, x, None, _params("gru"))
-    with pytest.raises(UnsupportedError, match="dropout: nvdnn.lstm's between-layer dropout .* NVDNN_UNMEASURED"):
-        nvdnn.lstm(x, None, _params(num_layers=2), num_layers=2, dropout=0.5, dropout_seed=1)
-    projected = module_weights("lstm", I, H, dict(proj_size=3), np.float32, np.random.default_rng(0))
-    with pytest.raises(UnsupportedError, match="lengths: nvdnn.lstm's projected state's carry .* NVDNN_UNMEASURED"):
-        nvdnn.lstm(x, None, projected, lengths=[T] * B)
 
 
 def test_a_bad_training_flag_is_named():
