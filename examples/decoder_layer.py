@@ -132,8 +132,9 @@ def _linear_backward(ops, dy, a, weight):
 
 class OpCheck:
     """``ops`` with each call run again by ``reference`` (float64) on the same inputs, read to the
-    host by ``host``: ``report`` lists (op, worst relative error of its results) in call order,
-    so the first op past a tolerance is where a chain departs from the reference."""
+    host by ``host`` before the call: ``report`` lists (op, worst relative error of its results,
+    whether the call left its inputs changed) in call order, so the first op past a tolerance is
+    where a chain departs from the reference, and a kernel writing over what it reads shows."""
 
     def __init__(self, ops, reference, host):
         self.ops, self.reference, self.host, self.report = ops, reference, host, []
@@ -145,16 +146,32 @@ class OpCheck:
 
     def __getattr__(self, name):
         def call(*args, **kwargs):
+            before = self._read(args), {k: self._read(v) for k, v in kwargs.items()}
             got = getattr(self.ops, name)(*args, **kwargs)
-            want = getattr(self.reference, name)(*self._read(args), **{k: self._read(v) for k, v in kwargs.items()})
+            want = getattr(self.reference, name)(*before[0], **before[1])
             pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
-            self.report.append((name, max(_rel_host(self.host(g), w) for g, w in pairs if g is not None)))
+            error = max(_rel_host(self.host(g), w) for g, w in pairs if g is not None)
+            changed = not _same(before, (self._read(args), {k: self._read(v) for k, v in kwargs.items()}))
+            self.report.append((name, error, changed))
             return got
         return call
 
     def departures(self, tolerance: float) -> list:
-        """The calls whose error passes ``tolerance``, in order."""
-        return [(number, name, error) for number, (name, error) in enumerate(self.report) if error > tolerance]
+        """The calls whose error passes ``tolerance`` or whose inputs changed, in order:
+        (number, op, relative error, "inputs changed" or "")."""
+        return [(number, name, error, "inputs changed" if changed else "")
+                for number, (name, error, changed) in enumerate(self.report) if error > tolerance or changed]
+
+
+def _same(a, b) -> bool:
+    """Two host readings of a call's arguments hold the same values (NaN where NaN was)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b, equal_nan=True)
+    return True
 
 
 def _rel_host(mine, want) -> float:
@@ -203,7 +220,8 @@ def _ms(torch, fn, reps: int = 10) -> float:
 
 def check_ops(shape: Shape, dtype: str, tolerance: float = 2e-2) -> list:
     """The forward and backward with every nvdnn call checked against nvdnn.reference on its own
-    inputs (OpCheck): the calls past ``tolerance``, (call number, op, relative error)."""
+    inputs (OpCheck): the calls past ``tolerance`` or changing their inputs, (call number, op,
+    relative error, note)."""
     import cupy
 
     import nvdnn
@@ -277,7 +295,8 @@ def main():
     for seq in (int(s) for s in args.seq.split(",")):
         shape = Shape(args.batch, seq, args.hidden, args.heads, args.kv_heads, args.ffn)
         if args.check_ops:
-            print(f"seq {seq}: calls past the tolerance (number, op, relative error):", check_ops(shape, args.dtype))
+            print(f"seq {seq}: calls past the tolerance or changing their inputs (number, op, relative error, "
+                  "note):", check_ops(shape, args.dtype))
         else:
             print(run(shape, args.dtype), flush=True)
 

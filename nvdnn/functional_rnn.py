@@ -271,8 +271,9 @@ def lstm(input, hx, params, *, num_layers=1, bidirectional=False, batch_first=Fa
     but the last before the next layer reads it (as nn.LSTM in training mode), drawn from
     ``dropout_seed`` (an int, a (seed, offset) pair, or a device int64 (2,) array read at run
     time), ``nvdnn.reference.rnn_dropout_mask``'s draw; pass the backward the same seed (a
-    device array with the same contents: the backward draws again). The reference's ``dropout_masks`` raise an UnsupportedError here. A repeat call replays
-    the recorded launches when ``params`` is a sequence (a mapping takes the full path each time).
+    device array with the same contents: the backward draws again). The reference's
+    ``dropout_masks`` raise an UnsupportedError here. A repeat call replays the recorded launches
+    when ``params`` is a sequence (a mapping takes the full path each time).
     ``training=True`` returns ``(output, (h_n, c_n), reserve)``: the Reserve (nvdnn/rnn_tape.py)
     holds what ``nvdnn.lstm_backward(..., reserve=reserve)`` needs, so it recomputes nothing.
     """

@@ -67,7 +67,7 @@ def test_op_check_names_the_call_that_departs(layer):
     x, dy = rng.standard_normal((2, shape.tokens, shape.hidden))
 
     def checked(ops):
-        check = layer.OpCheck(ops, nvdnn.reference, np.asarray)
+        check = layer.OpCheck(ops, nvdnn.reference, lambda a: np.array(a, dtype=np.float64))  # a copy, as the GPU's
         layer.backward(check, np, w, dy, layer.forward(check, np, w, x, shape, tables)[1], shape, tables)
         return check
 
@@ -80,4 +80,14 @@ def test_op_check_names_the_call_that_departs(layer):
 
     broken = checked(types.SimpleNamespace(**{**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("_")},
                                               "elementwise": wrong_silu_grad}))
-    assert [name for _, name, _ in broken.departures(1e-3)] == ["elementwise"]
+    assert [(name, note) for _, name, _, note in broken.departures(1e-3)] == [("elementwise", "")]
+
+    def overwriting_elementwise(steps, *inputs, **kwargs):  # right results, an input written over
+        y = ops.elementwise(steps, *inputs, **kwargs)
+        if len(inputs) == 3:
+            inputs[2][...] = 0.0
+        return y
+
+    overwrote = checked(types.SimpleNamespace(**{**{n: getattr(ops, n) for n in dir(ops) if not n.startswith("_")},
+                                                 "elementwise": overwriting_elementwise}))
+    assert [(name, note) for _, name, error, note in overwrote.departures(1e-3)] == [("elementwise", "inputs changed")]
