@@ -67,7 +67,7 @@ _BUILDS = [persistent.RNNPersistentSpec("lstm", "float16", 8, 1),
            persistent.RNNPersistentSpec("lstm", "float16", 4, 2, train=True),
            persistent.RNNPersistentSpec("gru", "bfloat16", 8, 8, train=True),
            persistent.RNNPersistentSpec("lstm", "float16", 8, 4, kreg=16),
-           persistent.RNNPersistentSpec("lstm", "float16", 8, 8, kreg=12, train=True),
+           persistent.RNNPersistentSpec("lstm", "float16", 8, 8, kreg=8, train=True),
            persistent.RNNPersistentSpec("gru", "bfloat16", 1, 1, train=True, kreg=4)]
 
 

@@ -30,7 +30,7 @@ KREG = (0, 4, 8, 12, 16)           # K steps of W a warp holds in registers (0: 
 BATCH_TILES = (1, 2, 4, 8)         # sequences a launch holds, in 8s
 THREADS = 256
 SHARED_LIMIT = 227 * 1024          # dynamic shared memory a block may have on sm_80 / sm_90
-REGISTER_BUDGET = 80               # a warp's W fragments and accumulators, registers a thread (kreg 16: batch <= 32)
+REGISTER_BUDGET = 96               # a thread's W, accumulator and two K steps of h fragments (kreg 16: batch <= 32)
 POINTERS = ("y", "h_n", "c_n", "h_buf", "xg", "w_hh", "b_hh", "h0", "c0", "lengths")
 TRAIN_POINTERS = POINTERS + ("th",)
 
@@ -110,15 +110,17 @@ def choose(mode: str, dtype: str, batch: int, hidden: int, sms: int, train: bool
 
 def _in_registers(spec: RNNPersistentSpec, hidden: int) -> RNNPersistentSpec:
     """``spec`` holding W in registers where its warps split evenly over the row tiles, a warp's
-    K steps fit KREG and its W and accumulator registers REGISTER_BUDGET (more spills at 255);
+    K steps fit KREG and its W, accumulator and double-buffered h registers REGISTER_BUDGET
+    (NVRTC's -v: no spills at sm_80 / sm_90 up to it; batch 64 with kreg 12, 112, spills);
     the shared memory of the larger partial buffer still fitting. Correct on an H100 but not yet
     shown faster (h1024 batch 16: 5.4 us a step, against 5.0 from shared memory in an earlier
-    run): chosen only with NVDNN_UNMEASURED=1."""
+    run; h's fragments since loaded a K step ahead, not yet timed): chosen only with
+    NVDNN_UNMEASURED=1."""
     row_tiles = spec.rows // 16
     if 8 % row_tiles or not config.get("NVDNN_UNMEASURED"):
         return spec
     steps = -(-k_steps(hidden) // (8 // row_tiles))
-    kreg = next((k for k in KREG[1:] if k >= steps and 4 * (k + spec.batch_tiles) <= REGISTER_BUDGET), 0)
+    kreg = next((k for k in KREG[1:] if k >= steps and 4 * (k + 2 * spec.batch_tiles) <= REGISTER_BUDGET), 0)
     held = dataclasses.replace(spec, kreg=kreg) if kreg else spec
     return held if held.shared_bytes(hidden) <= SHARED_LIMIT else spec
 
