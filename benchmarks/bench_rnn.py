@@ -7,8 +7,10 @@ output. Sorted worst first with the geometric mean. ``--quick``: the rows of 128
 ``--train``: a training step instead, nvdnn's forward with ``training=True`` and lstm_backward /
 gru_backward on its reserve against the module's forward and torch.autograd.grad of the output
 (given a random gradient) with respect to the input and every weight; err is on the input's gradient.
+``--only h512.b16.``: the rows whose configuration holds it; ``--breakdown N``: each row's N
+longest kernels on either side (us and launches a call).
 
-    python benchmarks/bench_rnn.py [--quick] [--gru] [--train] [--json out.json]
+    python benchmarks/bench_rnn.py [--quick] [--gru] [--train] [--only TEXT] [--breakdown N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import start, table, write_json  # noqa: E402
-from sweep import call_us, kernel_us  # noqa: E402
+from sweep import call_us, kernel_table, kernel_us  # noqa: E402
 
 HIDDEN = (512, 1024, 2048)
 BATCH = (1, 16, 64, 256)
@@ -51,7 +53,8 @@ def _calls(torch, nvdnn, mode: str, module, x, layers: int, train: bool) -> dict
     return {"nvdnn": nvdnn_step, "torch": torch_step}
 
 
-def run(torch, nvdnn, mode: str, hidden: int, batch: int, steps: int, layers: int, train: bool) -> dict:
+def run(torch, nvdnn, mode: str, hidden: int, batch: int, steps: int, layers: int, train: bool,
+        breakdown: int = 0) -> dict:
     torch.manual_seed(0)
     module = getattr(torch.nn, mode.upper())(hidden, hidden, num_layers=layers).cuda().half()
     x = torch.randn(steps, batch, hidden, device="cuda", dtype=torch.half)
@@ -64,6 +67,8 @@ def run(torch, nvdnn, mode: str, hidden: int, batch: int, steps: int, layers: in
             row[f"{label} us"] = round(us, 1)
             row[f"{label} us/step"] = round(us / steps / layers, 2)
             row[f"{label} call us"] = round(call_us(fn, calls=calls, trials=2, warmup=1), 1)
+            for name, us, launches in kernel_table(torch, fn, calls=calls)[:breakdown]:
+                print(f"  {row['config']} {label}: {us:9.1f} us {launches:7.1f} launches  {name[:90]}")
         row["vs torch"] = round(row["torch us"] / row["nvdnn us"], 3)
         got, want = fns["nvdnn"](0)[0], fns["torch"](0)[0]
         row["err"] = f"{(got.float() - want.float()).abs().max().item():.1e}"
@@ -75,6 +80,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="128 steps, 1 layer only")
     parser.add_argument("--gru", action="store_true", help="nn.GRU instead of nn.LSTM")
     parser.add_argument("--train", action="store_true", help="a training step: forward and backward")
+    parser.add_argument("--only", default="", help="the configurations whose name holds this (h512.b16.)")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="N",
+                        help="print each row's N longest kernels, nvdnn's and PyTorch's (us and launches a call)")
     args, torch, device, _ = start(parser)
     if torch is None:
         raise SystemExit("bench_rnn compares against PyTorch's nn.LSTM / nn.GRU: install torch with CUDA")
@@ -83,7 +91,9 @@ def main():
     grid = itertools.product(HIDDEN, BATCH, STEPS[:1] if args.quick else STEPS, LAYERS[:1] if args.quick else LAYERS)
     rows = []
     for hidden, batch, steps, layers in grid:
-        rows.append(run(torch, nvdnn, mode, hidden, batch, steps, layers, args.train))
+        if args.only not in f"{mode}.h{hidden}.b{batch}.t{steps}.l{layers}.":
+            continue
+        rows.append(run(torch, nvdnn, mode, hidden, batch, steps, layers, args.train, args.breakdown))
         print(rows[-1], flush=True)
     ranked = sorted(rows, key=lambda r: r["vs torch"])
     print(table(ranked, ["config", "nvdnn us", "torch us", "nvdnn us/step", "torch us/step", "vs torch",

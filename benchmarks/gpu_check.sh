@@ -4,8 +4,8 @@
 #   BENCHES="" CALLS=quick SWEEP=quick bash benchmarks/gpu_check.sh -k nothing   # the optional stages only
 #   NVDNN_UNMEASURED=1 BENCHES="" RNN=quick DECODER=1 bash benchmarks/gpu_check.sh -n 14 tests/test_gpu_rnn.py \
 #       tests/test_gpu_rnn_backward.py   # the recurrent cells' GPU tests and benchmarks, the decoder's check
-#   BENCHES="" DECODER=1 NVDNN_PROFILE=rnn bash benchmarks/gpu_check.sh -n 14 tests/test_gpu_rnn.py \
-#       tests/test_gpu_rnn_backward.py tests/test_gpu_pointwise.py -k "proj or dropout_seed or gated"
+#   BENCHES="" DECODER=1 NVDNN_PROFILE=rnn RNN_BREAKDOWN=h512.b16. bash benchmarks/gpu_check.sh -n 14 \
+#       tests/test_gpu_rnn.py tests/test_gpu_rnn_backward.py tests/test_gpu_pointwise.py -k "proj or dropout_seed or gated"
 # Logs and JSON go to $OUT (or ./gpu-out); NVDNN_RECORD collects the specs the run needed.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -47,6 +47,11 @@ if [ -n "${RNN:-}" ]; then
     tail -16 "$out/bench_rnn${train:+_train}.log"
   done
 fi
+if [ -n "${RNN_BREAKDOWN:-}" ]; then  # e.g. RNN_BREAKDOWN=h512.b16.: where those training steps' time goes
+  timeout "${RNN_TIMEOUT:-120}" python3 benchmarks/bench_rnn.py --quick --train --only "$RNN_BREAKDOWN" --breakdown 8 \
+      > "$out/bench_rnn_breakdown.log" 2>&1
+  grep -E "^  |geomean" "$out/bench_rnn_breakdown.log"
+fi
 if [ -n "${DECODER:-}" ]; then
   timeout "${DECODER_TIMEOUT:-60}" python3 examples/decoder_layer.py --check-ops --seq 512 --hidden 1024 --heads 8 \
       --kv-heads 2 --ffn 3584 2>&1 | tee "$out/decoder_check.log" | tail -4
@@ -55,8 +60,8 @@ python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_ca
 # NVDNN_PROFILE=kernels: ncu counters of the memory-bound kernels short of target (profile_kernels.py);
 # NVDNN_PROFILE=rnn: the persistent LSTM at batch 1 and 16, W_hh in shared memory, then in registers
 if [ "${NVDNN_PROFILE:-}" = kernels ] && command -v ncu >/dev/null; then
-  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 --launch-count 3 \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+  timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 \
+      --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       python3 benchmarks/profile_kernels.py > "$out/ncu.txt" 2>&1
   grep -E "nvdnn_|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Hit Rate|Duration" \
       "$out/ncu.txt" | head -60
@@ -67,8 +72,8 @@ if [ "${NVDNN_PROFILE:-}" = rnn ] && command -v ncu >/dev/null; then
         --launch-skip 6 --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section SourceCounters python3 benchmarks/profile_rnn.py \
         > "$out/ncu_rnn_kreg$held.txt" 2>&1
-    grep -E "persistent|Duration|Warp Cycles Per Issued|Stall|Issued Ipc|L2 Hit|Throughput" "$out/ncu_rnn_kreg$held.txt" \
-        | head -40
+    grep -E "persistent|Duration|Warp Cycles Per Issued|Stall|Issued Ipc|L2 Hit|Throughput" \
+        "$out/ncu_rnn_kreg$held.txt" | head -40
   done
 fi
 # the device tool returns a handful of files: pack the logs, JSON and recording into one

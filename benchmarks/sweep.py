@@ -182,6 +182,16 @@ _NOT_KERNELS = ("Activity Buffer Request",)  # device-typed events of the profil
 def kernel_us(torch, fn, sets: int = 1, calls: int = 50) -> float:
     """Device time per call (µs) that torch.profiler records over ``calls`` calls of fn(i % sets):
     the sum of every kernel, copy and fill, nvdnn's (launched through CuPy) or PyTorch's."""
+    per_call = sum(us for _, us, _ in kernel_table(torch, fn, sets, calls))
+    if per_call == 0:  # no device events in this PyTorch's profile: CUDA-event GPU time instead
+        _say_once("torch.profiler recorded no kernels: kernel time is CUDA-event GPU time (common.time_ms)")
+        return time_ms(fn, sets, iters=calls) * 1e3
+    return per_call
+
+
+def kernel_table(torch, fn, sets: int = 1, calls: int = 50) -> list:
+    """(kernel name, device µs per call, launches per call) of every kernel, copy and fill that
+    torch.profiler records over ``calls`` calls of fn(i % sets), the longest first."""
     from torch.profiler import ProfilerActivity, profile
     fn(0)
     torch.cuda.synchronize()
@@ -189,13 +199,12 @@ def kernel_us(torch, fn, sets: int = 1, calls: int = 50) -> float:
         for i in range(calls):
             fn(i % sets)
         torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    total = sum(e.time_range.elapsed_us() for e in prof.events()
-                if e.device_type == cuda and not e.name.startswith(_NOT_KERNELS))
-    if total == 0:  # no device events in this PyTorch's profile: CUDA-event GPU time instead
-        _say_once("torch.profiler recorded no kernels: kernel time is CUDA-event GPU time (common.time_ms)")
-        return time_ms(fn, sets, iters=calls) * 1e3
-    return total / calls
+    cuda, names = torch.autograd.DeviceType.CUDA, {}
+    for e in prof.events():
+        if e.device_type == cuda and not e.name.startswith(_NOT_KERNELS):
+            us, count = names.get(e.name, (0.0, 0))
+            names[e.name] = (us + e.time_range.elapsed_us(), count + 1)
+    return sorted(((name, us / calls, count / calls) for name, (us, count) in names.items()), key=lambda r: -r[1])
 
 
 @functools.cache
