@@ -5,7 +5,8 @@
 #   NVDNN_UNMEASURED=1 BENCHES="" RNN=quick DECODER=1 bash benchmarks/gpu_check.sh -n 14 tests/test_gpu_rnn.py \
 #       tests/test_gpu_rnn_backward.py   # the recurrent cells' GPU tests and benchmarks, the decoder's check
 #   BENCHES="" DECODER=1 NVDNN_PROFILE=rnn RNN_BREAKDOWN=h512.b16. bash benchmarks/gpu_check.sh -n 14 \
-#       tests/test_gpu_rnn.py tests/test_gpu_rnn_backward.py tests/test_gpu_pointwise.py -k "proj or dropout_seed or gated"
+#       tests/test_gpu_rnn.py tests/test_gpu_rnn_backward.py tests/test_gpu_pointwise.py \
+#       -k "proj or dropout_seed or gated"
 # Logs and JSON go to $OUT (or ./gpu-out); NVDNN_RECORD collects the specs the run needed.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -61,8 +62,8 @@ python3 -c "import nvdnn; print('cache entries after the run:', nvdnn.default_ca
 # NVDNN_PROFILE=rnn: the persistent LSTM at batch 1 and 16, W_hh in shared memory, then in registers
 if [ "${NVDNN_PROFILE:-}" = kernels ] && command -v ncu >/dev/null; then
   timeout "${PROFILE_TIMEOUT:-120}" ncu --clock-control none --kernel-name regex:nvdnn_ --launch-skip 9 \
-      --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-      python3 benchmarks/profile_kernels.py > "$out/ncu.txt" 2>&1
+      --launch-count 3 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 benchmarks/profile_kernels.py > "$out/ncu.txt" 2>&1
   grep -E "nvdnn_|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Hit Rate|Duration" \
       "$out/ncu.txt" | head -60
 fi
