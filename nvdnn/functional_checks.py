@@ -26,8 +26,6 @@ from .kernels import pointwise
 # kernel op -> graph op, whose row holds the parameter rules (the reversed ops exist for
 # scalar-first calls such as sub(1.0, x))
 GRAPH_OP = {"max": "maximum", "min": "minimum", "pow": "power"}
-# a derivative op (silu_grad) takes its activation's parameters, which the graph op's schema names
-GRAPH_OP.update((grad, name) for name, grad in pointwise.DERIVATIVES.items())
 
 
 PASSED_LIMIT = 4096   # remembered signatures; cleared when full

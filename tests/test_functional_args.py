@@ -291,6 +291,18 @@ def test_what_a_remembered_check_passed_does_not_pass_a_look_alike():
             nvdnn.sum(ROW, axis=5)
 
 
+@pytest.mark.parametrize("op", sorted(pointwise.OPS))
+def test_every_chain_op_builds_the_graph_op_of_its_own_kernel_op(op):
+    """nvdnn.elementwise builds a chain as a one-kernel graph, step by step through GRAPH_OP: each
+    step's graph op must run that step's kernel op (the derivatives once built their activation's
+    op, so silu_grad ran silu on the GPU; the decoder example's check found it)."""
+    from nvdnn.functional_checks import GRAPH_OP
+    from nvdnn.graph.ops import SCHEMAS
+    schema = SCHEMAS[GRAPH_OP.get(op, op)]
+    assert schema.kernel_op == op and schema.arity == pointwise.OPS[op].arity
+    assert [name for name, _, _ in schema.params] == [name for name, _ in pointwise.OPS[op].params]
+
+
 @pytest.mark.parametrize("grad", sorted(pointwise.DERIVATIVES.values()))
 def test_elementwise_takes_every_derivative_op(grad):
     """A backward's chain (silu_grad times the upstream gradient) passes the checks: on a machine

@@ -9,6 +9,7 @@ import pytest
 
 import nvdnn
 from nvdnn import reference as ref
+from nvdnn.kernels import pointwise
 from nvdnn.errors import DTypeError, ValidationError
 
 from .gpu import check, poison_pool, poisoned, random, requires_gpu
@@ -135,11 +136,24 @@ def test_fused_chains(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grad", sorted(pointwise.DERIVATIVES.values()))
+def test_derivative_chains(grad, dtype):
+    """Each activation's derivative times an upstream gradient, a backward's chain, against the
+    float64 derivative (the derivatives once ran their activation instead)."""
+    z, z64 = random((33, 129), dtype)
+    dy, dy64 = random((33, 129), dtype)
+    params = [default for _, default in pointwise.OPS[grad].params]
+    out = poisoned((33, 129), dtype)
+    nvdnn.elementwise([(grad, ""), ("mul", "x1")], z, dy, params=params, out=out)
+    check(out, ref.pointwise.GRADIENTS[grad[:-len("_grad")]](z64, *params) * dy64, dtype, grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,ffn", [(512, 3584), (37, 129)])
 def test_gated_backward_chain_on_views_of_one_buffer(rows, ffn, dtype):
     """The SwiGLU backward of a decoder layer: gate and up are column halves of one (rows, 2 ffn)
     GEMM output, the upstream gradient a packed array (the decoder example's --check-ops found its
-    dgate, call 21, 1.27 relative error on an H100 with bf16 at 512 x 3584; not yet localized)."""
+    dgate, call 21, 1.27 relative error on an H100 with bf16 at 512 x 3584: silu_grad ran silu)."""
     gate_up, gate_up64 = random((rows, 2 * ffn), dtype, -3.0, 3.0)
     dact, dact64 = random((rows, ffn), dtype)
     gate, up, gate64, up64 = gate_up[:, :ffn], gate_up[:, ffn:], gate_up64[:, :ffn], gate_up64[:, ffn:]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import reference as ref
+from ..kernels.pointwise import DERIVATIVES
 from . import rules
 from .rules import Rule
 
@@ -45,3 +46,7 @@ SCHEMAS: dict[str, OpSchema] = {s.name: s for s in (
     _pw("rsub", "rsub", 2, lambda a, b: ref.sub(b, a)), _pw("rdiv", "rdiv", 2, lambda a, b: ref.div(b, a)),
     _pw("rpow", "rpow", 2, lambda a, b: ref.power(b, a)),
 )}
+# an activation's derivative at the pre-activation, with the activation's parameters: the chains of
+# a backward (nvdnn.elementwise([("silu_grad", ""), ("mul", "x1")], z, dy)) build on these rows
+SCHEMAS.update((grad, _pw(grad, grad, 1, ref.pointwise.GRADIENTS[name], SCHEMAS[name].params))
+               for name, grad in DERIVATIVES.items())
