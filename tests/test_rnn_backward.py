@@ -19,7 +19,7 @@ from nvdnn.kernels import rnn, rnn_persistent
 from nvdnn.kernels.pointwise import Operand
 from nvdnn.warm import warm
 
-from .test_rnn import HOST_KERNELS, host_device, host_matmul, module_weights, rows_of
+from .test_rnn import HOST_KERNELS, host_cast, host_device, host_matmul, module_weights, rows_of
 
 
 def test_the_inference_kernels_keep_their_keys():
@@ -174,13 +174,6 @@ def _launch(plan, tensors, stream=None):
     return kernel(plan, tensors)
 
 
-def _host_cast(x, kind, *, out=None):
-    if out is None:
-        return np.array(x, dtype=dtypes.BY_NAME[kind].np)
-    out[...] = x
-    return out
-
-
 def _host_chain(steps, *inputs, out):
     """nvdnn.elementwise's chain in float64, for the unary and binary ops the backward chains."""
     value = inputs[0].astype(np.float64)
@@ -203,7 +196,7 @@ def host(monkeypatch):
     monkeypatch.setattr(arrays, "cupy", lambda: types.SimpleNamespace(**{**vars(fake), "empty": _poisoned}))
     monkeypatch.setattr(functional_rnn.launcher, "run", _launch)
     monkeypatch.setattr(functional_rnn_backward, "matmul", host_matmul)
-    monkeypatch.setattr(functional_rnn_backward, "cast", _host_cast)
+    monkeypatch.setattr(functional_rnn_backward, "cast", host_cast)
     monkeypatch.setattr(functional_rnn_backward, "mul", lambda a, b, out: out.__setitem__(..., a * b))
     monkeypatch.setattr(functional_rnn_backward, "elementwise", _host_chain)
     monkeypatch.setattr(functional_anchors, "sum", lambda x, axis, dtype, stream: x.astype(np.float64).sum(axis)
