@@ -9,8 +9,8 @@ import pytest
 
 import nvdnn
 from nvdnn import reference as ref
-from nvdnn.kernels import pointwise
 from nvdnn.errors import DTypeError, ValidationError
+from nvdnn.kernels import pointwise
 
 from .gpu import check, poison_pool, poisoned, random, requires_gpu
 

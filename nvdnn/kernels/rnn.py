@@ -25,8 +25,9 @@ with the same draw. Pointers: dst, src, the {seed, offset} words.
 
 An LSTM with proj_size runs a projected-state kernel per step (templates/rnn/proj_carry.cu.j2,
 its own spec): the forward's, with lengths or a training tape, keeps the projected state
-apart from the projection GEMM's output (and writes the tape's h_prev); the backward's, every projected step, forms the projected h's
-gradient (and with lengths carries it past inactive rows). Pointers: forward y (the step's
+apart from the projection GEMM's output (and writes the tape's h_prev); the backward's, every
+projected step, forms the projected h's gradient (and with lengths carries it past inactive
+rows). Pointers: forward y (the step's
 rows), hp, h0, lengths, th; backward d, carry, dy, dhp, dh_n, lengths; then batch, out, t,
 first and the row strides of y (and d).
 """
@@ -131,7 +132,7 @@ class RNNDropoutSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class RNNProjCarrySpec(KernelSpec):
-    """A projected state's step, forward (with lengths) or backward (proj_carry.cu.j2)."""
+    """A projected state's step, forward (with lengths or a tape) or backward (proj_carry.cu.j2)."""
     family = "rnn_proj_carry"
     template = "rnn/proj_carry.cu.j2"
     tiles_exact = True
